@@ -1,0 +1,40 @@
+"""Benchmarks that back kiln's speed and memory claims: ``kiln bench NAME``.
+
+Each benchmark measures kiln against the plain PyTorch way *in the same process run*
+and reports ratios, because absolute times on a shared machine drift by 30% or more.
+
+A benchmark is a module ``kiln.bench.<module>`` with a function::
+
+    def run(out_dir: pathlib.Path, quick: bool = False) -> dict
+
+that prints a table, writes ``out_dir/<name>.json`` and a PNG chart, and returns the
+JSON-able results. ``quick=True`` shrinks the work to a smoke run (used by tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Callable
+
+# name on the command line -> (module, one-line description)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "optimizer": ("kiln.bench.optimizer", "optimizer step time: torch for-loop/foreach/fused vs kiln's arena"),
+}
+
+
+def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
+    """Return the ``run`` function of the benchmark called ``name``."""
+    if name not in BENCHMARKS:
+        import difflib
+
+        close = difflib.get_close_matches(name, BENCHMARKS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown benchmark {name!r}.{hint} Available: {', '.join(sorted(BENCHMARKS))}")
+    return importlib.import_module(BENCHMARKS[name][0]).run
+
+
+def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False) -> dict[str, Any]:
+    out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
+    out.mkdir(parents=True, exist_ok=True)
+    return get_benchmark(name)(out, quick=quick)
