@@ -1,0 +1,22 @@
+"""Datasets (a registry of builders returning train/val splits) and loader construction.
+
+    >>> from kiln.data import build_dataset, build_loader, infinite
+    >>> splits = build_dataset("synthetic_images", seed=0, num_samples=256, val_samples=64)
+    >>> loader = build_loader(splits.train, 32, shuffle=True, seed=0)
+    >>> epoch, (x, y) = next(infinite(loader))
+    >>> x.shape, y.shape
+    (torch.Size([32, 1, 8, 8]), torch.Size([32]))
+"""
+
+from kiln.data._datasets import DataSplits, build_dataset, dataset_signature, list_datasets, register_dataset
+from kiln.data._loader import build_loader, infinite
+
+__all__ = [
+    "DataSplits",
+    "build_dataset",
+    "dataset_signature",
+    "list_datasets",
+    "register_dataset",
+    "build_loader",
+    "infinite",
+]

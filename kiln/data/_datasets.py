@@ -1,0 +1,214 @@
+"""Dataset registry and the built-in datasets.
+
+A dataset is a builder ``builder(seed: int, **kwargs) -> DataSplits`` registered by name::
+
+    @register_dataset("digits")
+    def digits(seed: int, *, split_seed: int = 0) -> DataSplits: ...
+
+    splits = build_dataset("digits", seed=0)
+    splits.train[0]          # (image (1, 8, 8) float32, label int64)
+
+``seed`` is the training seed; anything random about a dataset that must not change
+between training runs (such as the digits train/val split) takes its own argument.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = ["DataSplits", "register_dataset", "build_dataset", "list_datasets", "dataset_signature"]
+
+_TASKS = ("classification", "lm")
+
+
+@dataclass
+class DataSplits:
+    train: Dataset  # training samples
+    val: Dataset  # held-out samples for evaluation
+    task: str  # "classification": samples are (x, label); "lm": samples are (input_ids, targets)
+    num_classes: int  # number of labels, or the vocabulary size for "lm"
+    input_shape: tuple  # shape of one input sample, e.g. (1, 8, 8) or (seq_len,)
+
+    def __post_init__(self) -> None:
+        if self.task not in _TASKS:
+            raise ValueError(f"DataSplits.task={self.task!r} is not allowed; use one of {', '.join(map(repr, _TASKS))}")
+        self.input_shape = tuple(self.input_shape)
+
+
+_Builder = TypeVar("_Builder", bound=Callable[..., DataSplits])
+_DATASETS: dict[str, Callable[..., DataSplits]] = {}
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else "."
+
+
+def register_dataset(name: str) -> Callable[[_Builder], _Builder]:
+    """Register ``builder(seed, **kwargs) -> DataSplits`` under ``name``; returns the builder unchanged."""
+
+    def decorator(builder: _Builder) -> _Builder:
+        if name in _DATASETS:
+            raise ValueError(f"dataset {name!r} is already registered (by {_DATASETS[name]!r})")
+        if "seed" not in inspect.signature(builder).parameters:
+            raise TypeError(f"register_dataset({name!r}): the builder must take a 'seed' argument")
+        _DATASETS[name] = builder
+        return builder
+
+    return decorator
+
+
+def list_datasets() -> list[str]:
+    """Names of all registered datasets, sorted."""
+    return sorted(_DATASETS)
+
+
+def _lookup(name: str) -> Callable[..., DataSplits]:
+    try:
+        return _DATASETS[name]
+    except KeyError:
+        names = list_datasets()
+        raise ValueError(
+            f"unknown dataset {name!r}{_did_you_mean(name, names)} Registered datasets: {', '.join(names)}"
+        ) from None
+
+
+def dataset_signature(name: str) -> inspect.Signature:
+    """Signature of dataset ``name``'s keyword options (the builder's, without ``seed``)."""
+    # eval_str: this module uses postponed annotations; callers want real types, not strings.
+    sig = inspect.signature(_lookup(name), eval_str=True)
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "seed"])
+
+
+def build_dataset(name: str, seed: int = 0, **kwargs: Any) -> DataSplits:
+    """Build the train/val splits of dataset ``name``.
+
+    >>> splits = build_dataset("synthetic_images", seed=1, num_samples=64, val_samples=16)
+    >>> len(splits.train), len(splits.val), splits.input_shape
+    (64, 16, (1, 8, 8))
+    """
+    builder = _lookup(name)
+    params = dataset_signature(name).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        options = list(params)
+        for key in kwargs:
+            if key not in options:
+                raise ValueError(
+                    f"dataset {name!r} has no option {key!r}{_did_you_mean(key, options)} "
+                    f"Options: {', '.join(options) or '(none)'}"
+                )
+    splits = builder(seed=seed, **kwargs)
+    if not isinstance(splits, DataSplits):
+        raise TypeError(f"dataset builder {name!r} returned {type(splits).__name__}, expected DataSplits")
+    return splits
+
+
+def _check_positive(dataset: str, **values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"dataset {dataset!r}: {key}={value!r} must be a positive integer")
+
+
+# --------------------------------------------------------------------------- built-in datasets
+
+_DIGITS_VAL = 297  # 1797 images -> 1500 train / 297 val
+
+
+@register_dataset("digits")
+def digits(seed: int, *, split_seed: int = 0) -> DataSplits:
+    """scikit-learn's 1797 handwritten 8x8 digits (bundled, no download), 1500 train / 297 val.
+
+    The stratified split depends only on ``split_seed``, so runs with different training
+    seeds see the same split. Pixels are scaled to [0, 1], then standardized with the
+    train split's (scalar) mean and std. ``seed`` is unused: nothing here is random per run.
+    """
+    del seed
+    # sklearn takes about a second to import; only pay for it when digits are used.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.images).to(torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
+    y = torch.from_numpy(bunch.target).to(torch.int64)  # (1797,)
+    train_idx, val_idx = train_test_split(
+        torch.arange(len(y)).numpy(), test_size=_DIGITS_VAL, stratify=bunch.target, random_state=split_seed
+    )
+    train_idx, val_idx = torch.from_numpy(train_idx), torch.from_numpy(val_idx)
+    x_train, x_val = x[train_idx], x[val_idx]
+    mean, std = x_train.mean(), x_train.std()
+    return DataSplits(
+        train=TensorDataset((x_train - mean) / std, y[train_idx]),
+        val=TensorDataset((x_val - mean) / std, y[val_idx]),
+        task="classification",
+        num_classes=10,
+        input_shape=(1, 8, 8),
+    )
+
+
+@register_dataset("synthetic_images")
+def synthetic_images(
+    seed: int,
+    *,
+    num_samples: int = 4096,
+    image_size: int = 8,
+    channels: int = 1,
+    num_classes: int = 10,
+    val_samples: int = 512,
+) -> DataSplits:
+    """Gaussian images labelled by a random linear teacher, so the task is learnable.
+
+    Teacher, train and val all come from one ``torch.Generator`` seeded with ``seed``:
+    the same seed gives identical data.
+    """
+    _check_positive(
+        "synthetic_images", num_samples=num_samples, image_size=image_size, channels=channels,
+        num_classes=num_classes, val_samples=val_samples,
+    )
+    g = torch.Generator().manual_seed(seed)
+    shape = (channels, image_size, image_size)
+    features = channels * image_size * image_size
+    teacher = torch.randn(features, num_classes, generator=g)  # (F, K)
+    x = torch.randn(num_samples + val_samples, *shape, generator=g)  # (N, C, H, W)
+    y = (x.flatten(1) @ teacher).argmax(dim=1)  # (N,) int64
+    return DataSplits(
+        train=TensorDataset(x[:num_samples], y[:num_samples]),
+        val=TensorDataset(x[num_samples:], y[num_samples:]),
+        task="classification",
+        num_classes=num_classes,
+        input_shape=shape,
+    )
+
+
+@register_dataset("synthetic_tokens")
+def synthetic_tokens(
+    seed: int,
+    *,
+    num_samples: int = 2048,
+    seq_len: int = 64,
+    vocab_size: int = 256,
+    val_samples: int = 256,
+) -> DataSplits:
+    """Uniform random token sequences for language-model benchmarks (throughput, not accuracy).
+
+    Each sample is ``(input_ids, targets)``, both ``(seq_len,)`` int64, with
+    ``targets[t] == input_ids[t + 1]``: seq_len + 1 tokens are drawn per sequence.
+    """
+    _check_positive(
+        "synthetic_tokens", num_samples=num_samples, seq_len=seq_len, vocab_size=vocab_size, val_samples=val_samples
+    )
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab_size, (num_samples + val_samples, seq_len + 1), generator=g)  # (N, T+1)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (N, T) each
+    return DataSplits(
+        train=TensorDataset(inputs[:num_samples], targets[:num_samples]),
+        val=TensorDataset(inputs[num_samples:], targets[num_samples:]),
+        task="lm",
+        num_classes=vocab_size,
+        input_shape=(seq_len,),
+    )
