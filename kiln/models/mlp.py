@@ -59,12 +59,13 @@ class MLPNet(nn.Module):
         self.head = nn.Linear(widths[-1], cfg.num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.flatten(1)  # (B, F)
-        if x.shape[1] != self.cfg.in_features:
+        flat = x.flatten(1)  # (B, F)
+        if flat.shape[1] != self.cfg.in_features:
             raise ValueError(
                 f"MLPNet expected {self.cfg.in_features} features per sample, got input {tuple(x.shape)} "
-                f"({x.shape[1]} after flattening); set in_features={x.shape[1]}"
+                f"({flat.shape[1]} after flattening); set in_features={flat.shape[1]}"
             )
+        x = flat
         for block in self.blocks:
             x = block(x)  # (B, hidden[i])
         return self.head(x)  # (B, num_classes)
