@@ -1,0 +1,161 @@
+"""The ``kiln`` command: train | bench | plan.
+
+Errors in what the user typed (config, overrides, paths) print one clear line and exit with
+status 2, with no Python traceback; bugs still show their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+_MAIN_HELP = """\
+kiln makes PyTorch training faster and leaner by changing a config rather than the model.
+
+examples:
+  kiln train configs/digits_vit.py                      train the bundled digits ViT
+  kiln train configs/digits_vit.py train.max_steps=100 optim.lr=1e-3
+  kiln train runs/digits_vit-20260101-120000/config.yaml  rerun a saved experiment
+  kiln plan configs/digits_vit.py                       what a config will build, without training
+  kiln bench optimizer                                  measure kiln against plain PyTorch
+"""
+
+_TRAIN_HELP = """\
+Train the model a config describes and write a run directory:
+  RUN_DIR/config.yaml   the resolved config; `kiln train RUN_DIR/config.yaml` reruns it
+  RUN_DIR/metrics.csv   step, train loss, lr, samples/s, eval metrics
+  RUN_DIR/summary.json  steps, final_train_loss, eval, samples_per_second, peak_memory_mb,
+                        wall_seconds, and status (running | completed | failed | interrupted)
+  RUN_DIR/loss.png      train and eval loss against step
+  RUN_DIR/checkpoints/  final.pt (model, optimizer, scheduler; load with weights_only=True)
+
+A config is a Python file (LazyCall nodes, see configs/digits_vit.py) or YAML with the
+namespaces model, data, optim, train and parallel. Override any key on the command line
+with key=value (dotted keys; values are typed: 5, 0.1, true, null, [1,2], 'text').
+Unknown keys and wrong types are rejected, with a suggestion, before anything is built.
+
+examples:
+  kiln train configs/digits_vit.py
+  kiln train configs/digits_vit.py train.max_steps=200 data.batch_size=128 optim.name=lamb
+  kiln train configs/digits_mlp.yaml train.seed=1 train.output_dir=/tmp/runs
+"""
+
+_PLAN_HELP = """\
+Validate a config and show what it would build, without training: the model's parameter
+count, the memory that parameters, gradients and optimizer state take, and how each global
+batch is split into micro-batches.
+
+example:
+  kiln plan configs/digits_vit.py model.depth=8
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln", description=_MAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"kiln {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    train = sub.add_parser(
+        "train", help="train from a config", description=_TRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("config", metavar="CONFIG", help="config file: .py (LazyCall) or .yaml")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="config overrides, e.g. train.max_steps=100 optim.lr=3e-3")
+    train.set_defaults(func=_cmd_train)
+
+    bench = sub.add_parser(
+        "bench", help="run a benchmark against plain PyTorch",
+        description="Run a benchmark that measures a kiln claim against the plain PyTorch way "
+        "in the same process, print a table of ratios, and write JSON and a PNG chart.\n\n"
+        "example:\n  kiln bench optimizer\n  kiln bench optimizer --quick --out /tmp/bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("name", metavar="NAME", nargs="?", help="benchmark name (see --list)")
+    bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    bench.add_argument("--out", metavar="DIR", help="output folder (default: bench_results/NAME)")
+    bench.set_defaults(func=_cmd_bench)
+
+    plan = sub.add_parser(
+        "plan", help="show what a config builds, without training", description=_PLAN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("config", metavar="CONFIG", help="config file: .py or .yaml")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def _version() -> str:
+    from kiln import __version__
+
+    return __version__
+
+
+def _run_name(config: Path) -> str:
+    if config.stem == "config":  # RUN_DIR/config.yaml: name the rerun after the run directory
+        return re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", config.resolve().parent.name) or "run"
+    return config.stem
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from kiln.config import load_config
+    from kiln.train import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, name=_run_name(Path(args.config)))
+    return 0 if result.summary.get("status") == "completed" else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kiln.bench import BENCHMARKS, run_benchmark
+
+    if args.list or not args.name:
+        for name, (_, text) in sorted(BENCHMARKS.items()):
+            print(f"{name:16s} {text}")
+        return 0 if args.list else EXIT_USAGE
+    try:
+        run_benchmark(args.name, args.out, quick=args.quick)
+    except KeyError as exc:
+        raise _UsageError(exc.args[0]) from None
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kiln.config import load_config
+    from kiln.plan import describe
+
+    cfg = load_config(args.config, args.overrides)
+    print(describe(cfg))
+    return 0
+
+
+class _UsageError(Exception):
+    pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from kiln.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, _UsageError) as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

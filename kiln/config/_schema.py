@@ -1,0 +1,71 @@
+"""The fixed namespaces of a kiln config and every key's default.
+
+``model`` is not here: its keys are the options of the chosen model (its dataclass config in
+the registry) or the arguments of a ``_target_``. ``data.args`` likewise holds the keyword
+arguments of the chosen dataset builder. Everything else is declared below, with its type and
+a comment, so that validation can reject unknown keys and wrong types before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"  # dataset from the registry: kiln.data.list_datasets()
+    args: dict = field(default_factory=dict)  # keyword arguments of that dataset's builder
+    batch_size: int = 64  # GLOBAL samples per optimizer step, whatever the layout
+    eval_batch_size: int = 512  # samples per evaluation batch (no gradients, so larger)
+    workers: Union[int, Literal["auto"]] = 0  # DataLoader worker processes
+    pin_memory: Union[bool, Literal["auto"]] = "auto"  # auto: on when training on CUDA
+    drop_last: bool = True  # drop the last incomplete training batch of each epoch
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd", "lamb", "lars"] = "adamw"  # optimizer
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: Optional[float] = None  # None: the optimizer's own default (AdamW 0.01, others 0)
+    betas: Optional[tuple[float, float]] = None  # Adam-family betas; None: optimizer default
+    eps: Optional[float] = None  # None: optimizer default (1e-8 Adam/AdamW, 1e-6 LAMB)
+    momentum: Optional[float] = None  # SGD/LARS momentum; None: default (SGD 0, LARS 0.9)
+    nesterov: bool = False  # Nesterov momentum for SGD/LARS
+    contiguous: bool = True  # kiln's arena: all parameters and grads in one flat buffer
+    no_decay_1d: bool = True  # no weight decay for biases and norm weights (ndim <= 1)
+    schedule: Literal["constant", "cosine", "linear", "onecycle"] = "constant"  # lr schedule
+    warmup_steps: int = 0  # linear warm-up steps (cosine, linear and constant schedules)
+    min_lr_ratio: float = 0.0  # final lr as a fraction of lr (cosine, linear)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: Optional[int] = None  # optimizer steps to run; None: use train.epochs
+    epochs: Optional[int] = None  # passes over the training set (when max_steps is None)
+    eval_every: int = 0  # evaluate every N steps; 0: only at the end
+    log_every: int = 10  # log train loss, lr and speed every N steps
+    seed: int = 0  # seeds Python, NumPy and torch; same seed on CPU = same run, bit for bit
+    output_dir: str = "runs"  # where run directories are created
+    run_name: Optional[str] = None  # run directory prefix; None: the config file's name
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    threads: Optional[int] = None  # torch intra-op CPU threads; None: torch's default
+    precision: Literal["fp32"] = "fp32"  # numeric precision of training
+    accumulate: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: Optional[float] = None  # clip the global gradient norm to this
+    progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
+    checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
+
+
+@dataclass
+class ParallelConfig:
+    dp: Optional[int] = None  # data-parallel ranks; None: the world size
+
+
+NAMESPACES: dict[str, Any] = {
+    "model": None,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+}

@@ -1,0 +1,9 @@
+"""Training: ``kiln.train.train(cfg)`` runs a validated config and writes a run directory.
+
+The loop itself is ``kiln/train/loop.py``, one file to read top to bottom.
+"""
+
+from kiln.train._run_dir import load_checkpoint, read_metrics
+from kiln.train.loop import RunResult, train
+
+__all__ = ["RunResult", "load_checkpoint", "read_metrics", "train"]

@@ -1,0 +1,144 @@
+"""Turning a validated config into the objects a run needs: device, model, data, optimizer,
+learning-rate schedule. Each builder is small and usable on its own from Python."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch so that a CPU run repeats bit for bit."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from kiln.config import ConfigError
+
+        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def build_model(model_cfg: dict[str, Any]) -> nn.Module:
+    """A model from the ``model`` namespace: a registered name or any ``_target_``."""
+    node = dict(model_cfg)
+    target = node.pop("_target_", None)
+    if target is None:
+        from kiln.models import create_model
+
+        return create_model(node.pop("name"), **node)
+    from kiln.config import instantiate
+
+    return instantiate({"_target_": target, **node})
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Data:
+    """The loaders of a run and what the task needs to know about them."""
+
+    train: torch.utils.data.DataLoader  # yields micro-batches of batch_size / accumulate
+    val: torch.utils.data.DataLoader
+    task: str  # "classification" or "lm"
+    num_classes: int
+
+
+def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.device) -> Data:
+    from kiln.data import build_dataset, build_loader
+
+    splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))
+    micro_batch = data_cfg.batch_size // accumulate
+    pin = data_cfg.pin_memory
+    pin = device.type == "cuda" if pin == "auto" else pin
+    workers = data_cfg.workers
+    if workers == "auto":
+        import os
+
+        workers = min(len(os.sched_getaffinity(0)), 8)
+    if len(splits.train) < micro_batch and data_cfg.drop_last:
+        from kiln.config import ConfigError
+
+        raise ConfigError(
+            f"data.batch_size={data_cfg.batch_size} is larger than the training set ({len(splits.train)} samples), "
+            "so every batch would be dropped; lower data.batch_size or set data.drop_last=false"
+        )
+    train = build_loader(
+        splits.train, micro_batch, shuffle=True, seed=seed, drop_last=data_cfg.drop_last,
+        workers=workers, pin_memory=pin,
+    )
+    val = build_loader(splits.val, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0, pin_memory=pin)
+    return Data(train=train, val=val, task=splits.task, num_classes=splits.num_classes)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+# Keyword arguments each optimizer takes from the optim namespace (None values mean "its default").
+_OPTIM_KWARGS = {
+    "adamw": ("betas", "eps", "weight_decay"),
+    "adam": ("betas", "eps", "weight_decay"),
+    "lamb": ("betas", "eps", "weight_decay"),
+    "sgd": ("momentum", "nesterov", "weight_decay"),
+    "lars": ("momentum", "nesterov", "weight_decay"),
+}
+
+
+def param_groups(model: nn.Module, no_decay_1d: bool) -> list[dict[str, Any]]:
+    """Trainable parameters, split so that biases and norm weights (ndim <= 1) get no decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not no_decay_1d:
+        return [{"params": params}]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay}] if decay else []
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(optim_cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """kiln's optimizer named by ``optim.name``, over the model's parameter groups."""
+    import kiln.optim
+
+    name = optim_cfg.name
+    kwargs = {k: optim_cfg[k] for k in _OPTIM_KWARGS[name] if optim_cfg[k] is not None}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    groups = param_groups(model, optim_cfg.no_decay_1d)
+    return kiln.optim.OPTIMIZERS[name](groups, lr=optim_cfg.lr, contiguous=optim_cfg.contiguous, **kwargs)
+
+
+def build_scheduler(optim_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """The learning-rate schedule, stepped once per optimizer step."""
+    from torch.optim import lr_scheduler
+
+    if optim_cfg.schedule == "onecycle":
+        return lr_scheduler.OneCycleLR(optimizer, max_lr=optim_cfg.lr, total_steps=max(total_steps, 2))
+    warmup, floor = optim_cfg.warmup_steps, optim_cfg.min_lr_ratio
+    shape = optim_cfg.schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if shape == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if shape == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,45 @@
+"""What a batch means for each kind of data: how to compute the loss and the eval metrics.
+
+Models are plain PyTorch and only map inputs to logits; the task knows the targets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def loss_fn(task: str, model: nn.Module, batch: Any) -> torch.Tensor:
+    """Mean loss of ``model`` on one (micro-)batch already on the device."""
+    inputs, targets = batch
+    logits = model(inputs)  # classification: (B, C); lm: (B, T, V)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def metric_names(task: str) -> list[str]:
+    return ["loss", "accuracy"]
+
+
+@torch.inference_mode()
+def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device) -> dict[str, float]:
+    """Loss and accuracy over the whole loader, summed per sample (so the last, smaller batch
+    counts with its true weight), under inference mode."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    count = 0
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        logits = model(inputs).flatten(0, -2).float()
+        targets = targets.flatten()
+        loss_sum += F.cross_entropy(logits, targets, reduction="sum").double()
+        correct += (logits.argmax(-1) == targets).sum()
+        count += targets.numel()
+    model.train(was_training)
+    count = max(count, 1)
+    # note: .item() is a device sync; evaluation is rare enough for it not to matter
+    return {"loss": loss_sum.item() / count, "accuracy": correct.item() / count}
