@@ -24,8 +24,6 @@ from kiln.config._lazy import locate
 from kiln.config._schema import NAMESPACES
 from kiln.config._types import ConfigError, coerce, type_name
 
-_CREATE_MODEL = "kiln.models.create_model"
-
 
 def _suggest(word: str, options: Iterable[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
@@ -135,19 +133,28 @@ def _check_dataclass_keys(values: dict[str, Any], cls: type, where: str) -> dict
 
 
 def _check_signature(values: dict[str, Any], fn: Any, where: str, skip: tuple[str, ...] = ()) -> None:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin without a signature: nothing to check
+    """Check ``values`` against the keyword arguments of ``fn`` (a callable or a Signature):
+    unknown keys are errors, and annotated arguments get their type checked."""
+    if isinstance(fn, inspect.Signature):
+        sig = fn
+    else:
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return  # a builtin without a signature: nothing to check
     params = sig.parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     names = [n for n in params if n not in skip]
-    for key in values:
+    for key, value in values.items():
         if key.startswith("_") or key in skip:
             continue
         if key not in params:
+            if open_ended:
+                continue
             raise ConfigError(f"unknown key {where}.{key}" + _suggest(key, names, f"{where}.") + f" (valid keys: {', '.join(names)})")
+        annotation = params[key].annotation
+        if annotation is not inspect.Parameter.empty and not isinstance(annotation, str):
+            values[key] = coerce(value, annotation, f"{where}.{key}")
 
 
 def _validate_model(node: Any) -> dict[str, Any]:
@@ -158,7 +165,15 @@ def _validate_model(node: Any) -> dict[str, Any]:
         )
     node = dict(node)
     target = node.get("_target_")
-    if target is None or target == _CREATE_MODEL:
+    if target is not None and not isinstance(target, str):
+        raise ConfigError(f"model._target_ must be a dotted import path string, got {target!r}")
+    try:
+        fn = None if target is None else locate(target)
+    except ImportError as exc:
+        raise ConfigError(f"model._target_={target!r} cannot be imported: {exc}") from exc
+    from kiln.models import create_model
+
+    if fn is None or fn is create_model:
         from kiln.models import list_models, model_config_class
 
         name = node.get("name")
@@ -167,20 +182,16 @@ def _validate_model(node: Any) -> dict[str, Any]:
         if name not in list_models():
             raise ConfigError(f"unknown model {name!r} in model.name" + _suggest(name, list_models(), "") + f" (registered: {', '.join(list_models())})")
         options = {k: v for k, v in node.items() if k not in ("_target_", "name")}
-        checked = _check_dataclass_keys(options, model_config_class(name), "model")
-        node.update(checked)
+        cls = model_config_class(name)
+        checked = _check_dataclass_keys(options, cls, "model")
         # Build the model's config now, so its own checks (e.g. dim divisible by heads) run early.
         try:
-            model_config_class(name)(**checked)
+            resolved = cls(**checked)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"model {name!r}: {exc}") from exc
-        return node
-    if not isinstance(target, str):
-        raise ConfigError(f"model._target_ must be a dotted import path string, got {target!r}")
-    try:
-        fn = locate(target)
-    except ImportError as exc:
-        raise ConfigError(f"model._target_={target!r} cannot be imported: {exc}") from exc
+        # Every option written out, so config.yaml shows the whole model, defaults included.
+        head = {"_target_": target} if target is not None else {}
+        return {**head, "name": name, **{f.name: getattr(resolved, f.name) for f in dataclasses.fields(cls)}}
     _check_signature(node, fn, "model")
     return node
 

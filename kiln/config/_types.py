@@ -39,7 +39,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) is type(_match(value, tp)):
             return value
-        raise ConfigError(f"{key}={value!r} is not allowed; expected {type_name(tp)}")
+        import difflib
+
+        options = [str(a) for a in typing.get_args(tp)]
+        close = difflib.get_close_matches(str(value), options, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}={value!r} is not allowed{hint} (expected {type_name(tp)})")
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
