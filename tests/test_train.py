@@ -1,0 +1,159 @@
+"""End-to-end runs through the CLI: run directory contents, reruns, failures, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.train import load_checkpoint, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+VIT = str(ROOT / "configs" / "digits_vit.py")
+
+
+def _train(tmp_path: Path, config: str = MLP, *overrides: str) -> Path:
+    before = set(tmp_path.glob("*"))
+    code = main(["train", config, f"train.output_dir={tmp_path}", *overrides])
+    assert code == 0
+    (run_dir,) = set(tmp_path.glob("*")) - before
+    return run_dir
+
+
+def test_run_directory_is_complete(tmp_path, capsys):
+    run = _train(tmp_path, MLP, "train.max_steps=30", "train.eval_every=10", "train.log_every=5")
+    for name in ("config.yaml", "metrics.csv", "summary.json", "loss.png", "checkpoints/final.pt"):
+        assert (run / name).is_file(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["steps"] == 30
+    for key in ("final_train_loss", "samples_per_second", "peak_memory_mb", "wall_seconds"):
+        assert isinstance(summary[key], float) and summary[key] > 0 and math.isfinite(summary[key]), key
+    assert 0.0 <= summary["eval"]["accuracy"] <= 1.0 and summary["eval"]["loss"] > 0
+
+    rows = read_metrics(run)
+    assert [int(r["step"]) for r in rows] == [5, 10, 15, 20, 25, 30]
+    assert [bool(r["eval_accuracy"]) for r in rows] == [False, True, False, True, False, True]
+    assert float(rows[-1]["train_loss"]) == pytest.approx(summary["final_train_loss"], rel=1e-5)
+    assert float(rows[-1]["eval_accuracy"]) == pytest.approx(summary["eval"]["accuracy"], rel=1e-5)
+    # the loss fell: the run really trained
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+
+    ckpt = load_checkpoint(run / "checkpoints" / "final.pt")  # weights_only=True
+    assert ckpt["step"] == 30 and "model" in ckpt and "optimizer" in ckpt
+
+    out = capsys.readouterr().out
+    assert "step 30/30" in out  # plain progress lines when stdout is not a terminal
+
+
+def test_rerun_from_saved_config_is_bitwise_identical(tmp_path):
+    first = _train(tmp_path, VIT, "train.max_steps=12", "model.depth=1", "train.log_every=4", "model.dropout=0.1")
+    second = _train(tmp_path, str(first / "config.yaml"))
+    s1 = json.loads((first / "summary.json").read_text())
+    s2 = json.loads((second / "summary.json").read_text())
+    assert s1["final_train_loss"] == s2["final_train_loss"]
+    assert s1["eval"] == s2["eval"]
+    w1 = load_checkpoint(first / "checkpoints" / "final.pt")["model"]
+    w2 = load_checkpoint(second / "checkpoints" / "final.pt")["model"]
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert second.name.startswith("digits_vit-")  # the rerun is named after the run it repeats
+
+
+def test_different_seed_gives_a_different_run(tmp_path):
+    a = _train(tmp_path, MLP, "train.max_steps=5")
+    b = _train(tmp_path, MLP, "train.max_steps=5", "train.seed=1")
+    la = json.loads((a / "summary.json").read_text())["final_train_loss"]
+    lb = json.loads((b / "summary.json").read_text())["final_train_loss"]
+    assert la != lb
+
+
+def test_epochs_sets_the_number_of_steps(tmp_path):
+    run = _train(tmp_path, MLP, "train.max_steps=null", "train.epochs=2", "data.batch_size=500")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 * (1500 // 500)
+    assert summary["epochs"] == pytest.approx(2.0)
+
+
+def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
+    import kiln.train.loop as loop
+
+    calls = {"n": 0}
+    real = loop.loss_fn
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected failure")
+        return real(*args)
+
+    monkeypatch.setattr(loop, "loss_fn", flaky)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=10"])
+    (run,) = tmp_path.iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "injected failure" in summary["error"]
+    assert not (run / "checkpoints" / "final.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["train.max_stepz=5"], "did you mean train.max_steps?"),
+        (["train.max_steps=abc"], "expected int"),
+        (["optimizer.lr=0.1"], "unknown namespace 'optimizer'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_clear_line(tmp_path, capsys, args, expected):
+    code = main(["train", MLP, f"train.output_dir={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("kiln: error: ") and expected in err
+    assert "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # nothing was built, no run directory made
+
+
+def test_missing_config_and_malformed_yaml_exit_2(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert main(["train", str(bad)]) == 2
+    assert "malformed YAML" in capsys.readouterr().err
+
+
+def test_console_script_help_and_error_without_traceback(tmp_path):
+    exe = [sys.executable, "-m", "kiln"]
+    out = subprocess.run([*exe, "train", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "key=value" in out and "kiln train configs/digits_vit.py" in out
+    out = subprocess.run([*exe, "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("train", "bench", "plan"):
+        assert command in out
+    bad = subprocess.run([*exe, "train", MLP, "train.max_stepz=1"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "did you mean train.max_steps?" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_plan_reports_parameters_without_training(capsys):
+    assert main(["plan", VIT, "model.depth=2"]) == 0
+    out = capsys.readouterr().out
+    from kiln.models import create_model
+
+    n = sum(p.numel() for p in create_model("vit", depth=2).parameters())
+    assert f"{n:,} parameters" in out
+
+
+def test_import_kiln_stays_light():
+    code = (
+        "import sys, kiln; heavy = ['torch', 'matplotlib', 'sklearn', 'omegaconf', 'hydra', 'rich', "
+        "'tensorboard']; print([m for m in heavy if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
