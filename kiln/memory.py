@@ -1,0 +1,120 @@
+"""Activation checkpointing applied from outside the model: ``apply_ac(model, mode, every)``.
+
+Every kiln model keeps its repeated blocks in ``model.blocks`` (an ``nn.ModuleList``).
+``apply_ac`` makes chosen blocks *checkpointed*: their forward runs without keeping
+intermediate activations, and the backward pass recomputes them from the block input.
+Activation memory drops from "every intermediate of every block" to "one input per
+checkpointed block, plus one block's intermediates during its recompute", at the price of
+one extra forward of the checkpointed blocks.
+
+Modes:
+
+- ``"none"``: no checkpointing (undoes an earlier ``apply_ac``).
+- ``"full"``: every block.
+- ``"selective"``: every ``every``-th block, counting from block 0 (blocks 0, k, 2k, ...),
+  a middle ground that trades part of the memory saving for less recompute.
+
+The blocks stay the same module objects: ``apply_ac`` only replaces ``block.forward`` on the
+instance, so ``state_dict()`` keys, ``named_parameters()`` and ``isinstance`` checks are
+exactly those of the unwrapped model, and a checkpoint saved with AC loads without it.
+
+Dropout inside a checkpointed block draws the same mask in the recompute as in the
+original forward (``preserve_rng_state=True``), so gradients are bitwise equal to those
+of the unwrapped model.
+
+    >>> import torch
+    >>> from kiln.models import create_model
+    >>> model = create_model("vit", depth=4, dropout=0.1)
+    >>> apply_ac(model, "selective", every=2)
+    [0, 2]
+    >>> checkpointed_blocks(model)
+    [0, 2]
+    >>> model(torch.randn(2, 1, 8, 8)).sum().backward()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["apply_ac", "remove_ac", "checkpointed_blocks", "AC_MODES"]
+
+AC_MODES = ("none", "selective", "full")
+
+
+class _CheckpointedForward:
+    """Stands in for ``block.forward``: runs the class's forward under non-reentrant checkpoint.
+
+    A small class rather than a closure so the model still pickles and deep-copies
+    (``torch.save(model)``, ``copy.deepcopy``): it holds the module, not a bound method.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Calls the class's forward, not the instance attribute (which is this object).
+        # Non-reentrant checkpointing supports keyword arguments, inputs that do not
+        # require grad and nested checkpoints; the reentrant variant is being deprecated.
+        return checkpoint(
+            type(self.module).forward, self.module, *args,
+            use_reentrant=False, preserve_rng_state=True, **kwargs,
+        )
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        found = "has no attribute 'blocks'" if blocks is None else f"has blocks of type {type(blocks).__name__}"
+        raise TypeError(
+            f"apply_ac needs a model whose repeated layers are in `model.blocks` (an nn.ModuleList); "
+            f"{type(model).__name__} {found}. Put the transformer blocks in an nn.ModuleList named "
+            f"`blocks`, or pass the submodule that holds them."
+        )
+    return blocks
+
+
+def _is_checkpointed(block: nn.Module) -> bool:
+    return isinstance(block.__dict__.get("forward"), _CheckpointedForward)
+
+
+def remove_ac(model: nn.Module) -> None:
+    """Undo :func:`apply_ac`: every block of ``model.blocks`` runs its plain forward again."""
+    for block in _blocks(model):
+        if _is_checkpointed(block):
+            del block.forward  # the class's forward shows through again
+
+
+def checkpointed_blocks(model: nn.Module) -> list[int]:
+    """Indices of the blocks of ``model.blocks`` that run under activation checkpointing."""
+    return [i for i, block in enumerate(_blocks(model)) if _is_checkpointed(block)]
+
+
+def apply_ac(model: nn.Module, mode: str = "full", every: int = 2) -> list[int]:
+    """Checkpoint blocks of ``model.blocks`` in place; returns the indices checkpointed.
+
+    ``mode`` is ``"none"``, ``"full"`` (every block) or ``"selective"`` (blocks 0, every,
+    2*every, ...). Calling it again replaces the previous choice, so ``apply_ac(m, "none")``
+    undoes it.
+
+    >>> from kiln.models import create_model
+    >>> apply_ac(create_model("vit", depth=3), "full")
+    [0, 1, 2]
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"apply_ac: mode={mode!r} is not one of {', '.join(map(repr, AC_MODES))}")
+    if mode == "selective" and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"apply_ac: every={every!r} must be a positive integer")
+    blocks = _blocks(model)
+    remove_ac(model)
+    if mode == "none":
+        return []
+    step = 1 if mode == "full" else every
+    chosen = list(range(0, len(blocks), step))
+    for i in chosen:
+        # An instance attribute shadows the class's forward; nn.Module.__call__ looks up
+        # self.forward, so hooks still run around the checkpointed call.
+        blocks[i].forward = _CheckpointedForward(blocks[i])
+    return chosen
