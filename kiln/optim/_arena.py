@@ -1,0 +1,147 @@
+"""The arena: one flat parameter buffer and one flat gradient buffer per (device, dtype, group).
+
+Every parameter becomes a view into ``Arena.param`` and its gradient a view into
+``Arena.grad``. Segments start on 64-byte boundaries, and the total length is padded to a
+multiple of ``align * shard_multiple`` elements, so that a later ZeRO stage can cut the flat
+buffer into ``shard_multiple`` equal, aligned, contiguous shards with :meth:`Arena.shard`.
+
+Padding is zero in both buffers and stays zero under every update rule in kiln (a zero
+gradient with zero state produces a zero update), so a segment's *padded* range can be used
+in reductions: the padding adds nothing to a norm.
+
+Example::
+
+    >>> import torch
+    >>> from kiln.optim import Arena
+    >>> w, b = torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(5))
+    >>> arena = Arena([w, b])
+    >>> arena.offsets.tolist(), arena.numel          # fp32: 16 elements = 64 bytes
+    ([0, 16], 32)
+    >>> w.data_ptr() == arena.param.data_ptr()
+    True
+    >>> arena.shard(0, 2)
+    (0, 16)
+
+Legend: N = padded arena length, S = number of segments (parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["Arena", "arena_layout"]
+
+ALIGN_BYTES = 64
+
+
+def _default_shard_multiple() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def arena_layout(
+    numels: Sequence[int], itemsize: int, shard_multiple: int = 1, align_bytes: int = ALIGN_BYTES
+) -> tuple[list[int], int]:
+    """Return (segment start offsets, padded total length) in elements, as Python ints.
+
+    Pure integer arithmetic, so the layout of buffers with more than 2**31 elements can be
+    tested without allocating them.
+
+    >>> arena_layout([3, 0, 20], itemsize=4, shard_multiple=3)
+    ([0, 16, 16], 48)
+    """
+    if shard_multiple < 1:
+        raise ValueError(f"shard_multiple must be >= 1, got {shard_multiple}")
+    align = max(1, align_bytes // itemsize)
+    offsets, pos = [], 0
+    for n in numels:
+        offsets.append(pos)
+        pos += -(-int(n) // align) * align  # round up to the next aligned start
+    unit = align * shard_multiple
+    total = -(-pos // unit) * unit
+    return offsets, total
+
+
+class Arena:
+    """Flat, aligned storage for the parameters (and gradients) of one device and dtype.
+
+    Args:
+        params: tensors of one device and dtype; they are re-pointed (``p.data = view``) into
+            the arena, keeping their values. Tensors that require grad also get ``p.grad``
+            pointed at a view of the flat gradient (an existing gradient is copied in).
+        shard_multiple: the padded length is divisible by this (default: the
+            torch.distributed world size if initialised, else 1).
+
+    Attributes:
+        param, grad: (N,) flat buffers.
+        offsets: (S,) int64 segment starts; ``bounds`` (S+1,) adds N at the end.
+        numels, shapes: per-segment sizes.
+        pviews, gviews: the per-parameter views (shaped like the parameters).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], shard_multiple: int | None = None,
+                 align_bytes: int = ALIGN_BYTES) -> None:
+        if not params:
+            raise ValueError("an Arena needs at least one tensor")
+        self.dtype, self.device = params[0].dtype, params[0].device
+        for p in params:
+            if p.dtype != self.dtype or p.device != self.device:
+                raise ValueError("all tensors of an Arena must share one dtype and device")
+        self.shard_multiple = shard_multiple or _default_shard_multiple()
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        starts, self.numel = arena_layout(self.numels, self.dtype.itemsize, self.shard_multiple, align_bytes)
+        self._starts = starts
+        self._bounds = starts + [self.numel]
+        self.offsets = torch.tensor(starts, dtype=torch.int64)
+        # padded length of each segment: the padding belongs to the segment before it
+        self.lengths = [b - a for a, b in zip(self._bounds[:-1], self._bounds[1:])]
+        self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.pviews = self._views(self.param)
+        self.gviews = self._views(self.grad)
+        with torch.no_grad():
+            for p, pv in zip(params, self.pviews):
+                pv.copy_(p.detach())
+                p.data = pv  # the parameter object stays; its storage is now the arena
+
+    # -- layout ---------------------------------------------------------------------------
+    @property
+    def bounds(self) -> torch.Tensor:
+        """(S+1,) int64: segment starts followed by N."""
+        return torch.tensor(self._bounds, dtype=torch.int64)
+
+    def segment_range(self, i: int, j: int | None = None) -> tuple[int, int]:
+        """Element range [start, end) covering segments i..j-1 with their padding."""
+        return self._bounds[i], self._bounds[i + 1 if j is None else j]
+
+    def shard(self, rank: int, world_size: int | None = None) -> tuple[int, int]:
+        """[start, end) of rank's contiguous shard when the arena is cut into world_size parts."""
+        world = world_size or self.shard_multiple
+        if self.numel % world:
+            raise ValueError(f"arena length {self.numel} is not divisible by {world}; "
+                             f"build the arena with shard_multiple={world}")
+        size = self.numel // world
+        return rank * size, (rank + 1) * size
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + n].view(shape) for o, n, shape in zip(self._starts, self.numels, self.shapes)]
+
+    def new_buffer(self) -> torch.Tensor:
+        """A zeroed (N,) buffer with the arena's layout (for optimizer state)."""
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat (N,) buffer that has this arena's layout."""
+        return self._views(flat)
+
+    def __repr__(self) -> str:
+        mib = self.numel * self.dtype.itemsize / 2**20
+        return (f"Arena({len(self.numels)} tensors, {self.numel} elements ({mib:.1f} MiB), "
+                f"{self.dtype}, {self.device}, shard_multiple={self.shard_multiple})")
+

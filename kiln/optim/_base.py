@@ -1,0 +1,447 @@
+"""The state holder shared by kiln's optimizers: packing, relinking, bookkeeping.
+
+Subclasses own only hyperparameters and two update methods (one over a flat arena range,
+one over per-parameter lists); the math lives in :mod:`kiln.optim._rules`.
+
+Gradients and ``zero_grad``
+---------------------------
+After construction every trainable parameter's ``p.grad`` is a view into the flat gradient,
+so autograd accumulates into the arena in place. ``zero_grad(set_to_none=True)`` (the
+default) is one memset that *keeps* the views; it records that no parameter has a gradient
+yet. Which parameters really received one is tracked by a post-accumulate-grad hook per
+parameter (a byte store), so a parameter that took no part in the backward pass is left
+exactly as it is, as torch.optim leaves a parameter whose ``.grad`` is None. The visible
+difference from torch: ``p.grad`` reads as zeros instead of None after ``zero_grad()``.
+
+``step()`` first checks, with one identity test and one pointer comparison per parameter,
+that the arena is still authoritative:
+
+- a gradient that autograd (or the user) placed outside the arena, e.g. after
+  ``model.zero_grad()`` set ``p.grad = None``, is copied in and the view restored;
+- a parameter whose storage changed with the same dtype/device/shape is copied back in;
+- a parameter whose dtype or device changed (``model.half()``, ``model.to("cuda")`` after
+  construction) raises an error that names the fix (``optimizer.relink()``);
+- a step that finds no new gradient at all since the previous step raises: this is what
+  happens when ``load_state_dict(assign=True)`` replaced the model's parameters, which
+  would otherwise train nothing, silently.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from kiln.optim._arena import Arena
+from kiln.optim._rules import TensorList
+
+_EAGER_ENV = "KILN_OPTIM_EAGER"
+_COMPILED: dict[str, Callable] = {}
+
+
+def _kernel(fn: Callable, compiled: bool | None) -> Callable:
+    """fn itself, or fn compiled once per process (dynamic shapes: one graph for every size)."""
+    if compiled is None:
+        compiled = os.environ.get(_EAGER_ENV, "0") in ("", "0")
+    if not compiled:
+        return fn
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=True)
+    return _COMPILED[key]
+
+
+def _flag_hook(flags: bytearray, slot: int) -> Callable[[torch.Tensor], None]:
+    # Holds the flags, not the optimizer, so a dropped optimizer is not kept alive by its hooks.
+    def hook(_param: torch.Tensor) -> None:
+        flags[slot] = 1
+        flags[-1] = 1  # "some gradient arrived since the last step"
+
+    return hook
+
+
+class _Pack:
+    """One arena plus the optimizer's bookkeeping for it (one group, device, dtype)."""
+
+    def __init__(self, arena: Arena, group: int, params: list[torch.Tensor], s0: int) -> None:
+        self.arena, self.group, self.params = arena, group, params
+        self.s0, self.s1 = s0, s0 + len(params)
+        self.gexpect: list[torch.Tensor | None] = [None] * len(params)
+        self.ptrs: list[int] = []
+        self.state: dict[str, torch.Tensor] = {}          # name -> (N,) flat state
+        self.sviews: dict[str, list[torch.Tensor]] = {}   # name -> per-param views
+        self.step_vec = torch.zeros(len(params), dtype=torch.float32)  # CPU, like torch's 'step'
+        self.uniform = True      # all entries of step_vec equal
+        self.init = [False] * len(params)
+        self.n_init = 0
+        self.all_ones = b"\x01" * len(params)
+        self.grad_version = arena.grad._version
+        self.step_t = torch.zeros((), dtype=torch.float32, device=arena.device)
+        self.scratch: torch.Tensor | None = None
+        self.scratch_views: list[torch.Tensor] = []
+        self.is1d = [len(s) <= 1 for s in arena.shapes]
+
+
+class ArenaOptimizer(Optimizer):
+    """Base class: packs parameters into arenas and keeps torch.optim's public behaviour."""
+
+    _has_step_state = True  # torch keeps state[p]['step'] for this optimizer
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, contiguous: bool = True,
+                 shard_multiple: int | None = None) -> None:
+        self.contiguous = contiguous
+        self.shard_multiple = shard_multiple
+        self._packs: list[_Pack] = []
+        self._built = False
+        self._hooks: list[Any] = []
+        self._flags = bytearray(1)
+        super().__init__(params, defaults)
+        if contiguous:
+            self._build()
+        self._built = True
+
+    # -- subclass interface ---------------------------------------------------------------
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
+        """Update segments i..j-1 of pack (all received, all at step number `step`)."""
+        raise NotImplementedError
+
+    def _update_list(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
+        """Multi-tensor update of params (all with grads, all at step number `step`)."""
+        raise NotImplementedError
+
+    # -- packing --------------------------------------------------------------------------
+    def _build(self) -> None:
+        seen: set[int] = set()
+        plan: list[tuple[int, list[torch.Tensor]]] = []
+        for gi, group in enumerate(self.param_groups):
+            buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if id(p) in seen:  # tied weights: one slot, updated once
+                    continue
+                seen.add(id(p))
+                if p.is_sparse:
+                    raise ValueError("kiln.optim does not support sparse parameters; use contiguous=False")
+                buckets.setdefault((p.device, p.dtype), []).append(p)
+            plan.extend((gi, ps) for ps in buckets.values())
+        nslots = sum(len(ps) for _, ps in plan)
+        self._flags = flags = bytearray(nslots + 1)
+        self._packs, slot = [], 0
+        with torch.no_grad():
+            for gi, ps in plan:
+                grads = [p.grad for p in ps]
+                arena = Arena(ps, self.shard_multiple)
+                pack = _Pack(arena, gi, ps, slot)
+                for i, (p, g) in enumerate(zip(ps, grads)):
+                    if g is not None:
+                        arena.gviews[i].copy_(g)
+                        flags[slot + i] = 1
+                    self._link_grad(pack, i)
+                pack.ptrs = [p.data_ptr() for p in ps]
+                pack.grad_version = arena.grad._version
+                self._packs.append(pack)
+                slot += len(ps)
+
+    def _link_grad(self, pack: _Pack, i: int) -> None:
+        p = pack.params[i]
+        if p.requires_grad or p.grad is not None:
+            p.grad = pack.arena.gviews[i]
+            pack.gexpect[i] = p.grad
+        else:  # frozen without a gradient: leave .grad None, as torch does
+            pack.gexpect[i] = None
+        if p.requires_grad and getattr(p, "_kiln_hooked", None) is not self._flags:
+            self._hooks.append(p.register_post_accumulate_grad_hook(_flag_hook(self._flags, pack.s0 + i)))
+            p._kiln_hooked = self._flags  # one hook per parameter per build
+
+    def relink(self) -> None:
+        """Rebuild the arenas from the parameters as they are now (after ``model.half()``,
+        ``model.to(device)``, ``add_param_group``), keeping the optimizer state (cast to the
+        parameters' new dtype and device)."""
+        if not self.contiguous:
+            return
+        sd = self.state_dict() if self._packs else None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for pack in self._packs:
+            for p in pack.params:
+                if getattr(p, "_kiln_hooked", None) is self._flags:
+                    del p._kiln_hooked
+        self.state.clear()
+        self._build()
+        if sd is not None:
+            self.load_state_dict(sd)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if self._built and self.contiguous:
+            self.relink()
+
+    @property
+    def arenas(self) -> list[Arena]:
+        """The arenas, one per (parameter group, device, dtype), in parameter-group order."""
+        return [pk.arena for pk in self._packs]
+
+    # -- per-step checks ------------------------------------------------------------------
+    def _sync(self, check_fresh: bool) -> None:
+        """Make the arena authoritative again (see the module docstring). O(params) but only
+        an identity test and a pointer comparison each in the common case."""
+        foreign = False
+        for pack in self._packs:
+            params = pack.params
+            if [p.data_ptr() for p in params] != pack.ptrs:
+                self._relink_params(pack)
+            if not all([p.grad is e for p, e in zip(params, pack.gexpect)]):
+                foreign |= self._absorb_grads(pack)
+        if check_fresh and not foreign and not self._flags[-1]:
+            if all(pk.arena.grad._version == pk.grad_version for pk in self._packs) and any(
+                    p.requires_grad for pk in self._packs for p in pk.params):
+                raise RuntimeError(
+                    "kiln.optim: step() found no new gradient for any of its parameters since the "
+                    "previous step. Either backward() was not called, or the model's parameters were "
+                    "replaced after the optimizer was built (model.load_state_dict(..., assign=True), "
+                    "to_empty(), re-created modules), so the optimizer holds the old ones and would "
+                    "train nothing. Build the optimizer after loading, or load without assign=True "
+                    "(it copies into the arena).")
+
+    def _relink_params(self, pack: _Pack) -> None:
+        arena = pack.arena
+        with torch.no_grad():
+            for i, p in enumerate(pack.params):
+                if p.data_ptr() == pack.ptrs[i]:
+                    continue
+                if p.dtype != arena.dtype or p.device != arena.device or tuple(p.shape) != arena.shapes[i]:
+                    raise RuntimeError(
+                        f"kiln.optim: parameter {i} of group {pack.group} is now {p.dtype} {tuple(p.shape)} "
+                        f"on {p.device}, but its arena holds {arena.dtype} {arena.shapes[i]} on "
+                        f"{arena.device}: the model was moved or cast after the optimizer was built "
+                        f"(model.to(...), .half(), load_state_dict(assign=True)). Call "
+                        f"optimizer.relink() to rebuild the arena (state is kept and cast), or build "
+                        f"the optimizer after moving the model.")
+                # same dtype/device/shape but new storage (p.data = ...): copy the values back in
+                arena.pviews[i].copy_(p.detach())
+                p.data = arena.pviews[i]
+                pack.ptrs[i] = p.data_ptr()
+
+    def _absorb_grads(self, pack: _Pack) -> bool:
+        foreign = False
+        flags = self._flags
+        with torch.no_grad():
+            for i, p in enumerate(pack.params):
+                g, view = p.grad, pack.arena.gviews[i]
+                if g is pack.gexpect[i]:
+                    continue
+                if g is None:  # model.zero_grad() or a user set it to None: no gradient
+                    view.zero_()
+                    flags[pack.s0 + i] = 0
+                else:
+                    view.copy_(g)
+                    flags[pack.s0 + i] = 1
+                    foreign = True
+                p.grad = view
+                self._link_grad(pack, i)
+        return foreign
+
+    # -- public API -----------------------------------------------------------------------
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """One memset per arena. With set_to_none=True (default) the gradient views stay in
+        place (reading as zeros) but every parameter counts as having no gradient until
+        autograd delivers one, so parameters outside the next backward are not updated."""
+        if not self.contiguous:
+            return super().zero_grad(set_to_none)
+        for pack in self._packs:
+            # a gradient assigned by hand since the last step would otherwise be accumulated into
+            if not all([p.grad is e for p, e in zip(pack.params, pack.gexpect)]):
+                for p, e in zip(pack.params, pack.gexpect):
+                    p.grad = e
+            pack.arena.grad.zero_()
+            pack.grad_version = pack.arena.grad._version
+        if set_to_none:
+            self._flags[:] = bytes(len(self._flags))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.contiguous:
+            self._step_lists()
+            return loss
+        self._sync(check_fresh=True)
+        flags = self._flags
+        for pack in self._packs:
+            group = self.param_groups[pack.group]
+            recv = flags[pack.s0:pack.s1]
+            if pack.uniform and recv == pack.all_ones:
+                # the common case: one update over the whole flat buffer
+                self._ensure_state(pack, group)
+                self._update_flat(pack, group, 0, len(pack.params), int(pack.step_vec[0]) + 1)
+                pack.step_vec.add_(1)
+                if pack.n_init < len(pack.params):
+                    self._init_entries(pack, group, range(len(pack.params)))
+                continue
+            done = self._step_runs(pack, group, recv)
+            if done:
+                self._init_entries(pack, group, done)
+        flags[-1] = 0
+        for pack in self._packs:
+            pack.grad_version = pack.arena.grad._version
+        return loss
+
+    def _step_runs(self, pack: _Pack, group: dict[str, Any], recv: bytes) -> list[int]:
+        """Update only parameters that received a gradient, in runs of consecutive segments
+        that share a step count (frozen or unused parameters split the arena)."""
+        steps = [int(s) for s in pack.step_vec.tolist()]
+        received = [i for i in range(len(pack.params)) if recv[i]]
+        if not received:
+            return []
+        self._ensure_state(pack, group)
+        i = 0
+        n = len(pack.params)
+        while i < n:
+            if not recv[i]:
+                i += 1
+                continue
+            j = i + 1
+            while j < n and recv[j] and steps[j] == steps[i]:
+                j += 1
+            self._update_flat(pack, group, i, j, steps[i] + 1)
+            i = j
+        idx = torch.tensor(received, dtype=torch.int64)
+        pack.step_vec[idx] += 1
+        pack.uniform = bool((pack.step_vec == pack.step_vec[0]).all()) if n else True
+        return received
+
+    def _ensure_state(self, pack: _Pack, group: dict[str, Any]) -> None:
+        for name in self._state_names(group):
+            if name not in pack.state:
+                pack.state[name] = pack.arena.new_buffer()
+                pack.sviews[name] = pack.arena.views(pack.state[name])
+
+    def _init_entries(self, pack: _Pack, group: dict[str, Any], indices: Iterable[int]) -> None:
+        """Expose per-parameter state the way torch.optim keys it (views into the arena)."""
+        names = self._state_names(group)
+        for i in indices:
+            if pack.init[i]:
+                continue
+            st = self.state[pack.params[i]]
+            if self._has_step_state:
+                st["step"] = pack.step_vec[i]
+            for name in names:
+                st[name] = pack.sviews[name][i]
+            pack.init[i] = True
+            pack.n_init += 1
+
+    def _scratch(self, pack: _Pack) -> torch.Tensor:
+        if pack.scratch is None:
+            pack.scratch = pack.arena.new_buffer()
+            pack.scratch_views = pack.arena.views(pack.scratch)
+        return pack.scratch
+
+    # -- state dict -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout (state[index] = {'step': ..., 'exp_avg': ...}); tensors are
+        copies, so loading them elsewhere never aliases the arena."""
+        sd = super().state_dict()
+        sd["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+                       for k, s in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if not self.contiguous:
+            return
+        with torch.no_grad():
+            for pack in self._packs:
+                group = self.param_groups[pack.group]
+                names = self._state_names(group)
+                pack.init = [False] * len(pack.params)
+                pack.n_init = 0
+                for i, p in enumerate(pack.params):
+                    st = self.state.get(p)
+                    if not st:
+                        pack.step_vec[i] = 0
+                        for name in pack.sviews:
+                            pack.sviews[name][i].zero_()
+                        continue
+                    self._ensure_state(pack, group)
+                    for name in names:
+                        if st.get(name) is not None:
+                            pack.sviews[name][i].copy_(st[name])
+                    pack.step_vec[i] = float(st["step"]) if "step" in st else 1.0
+                    self.state[p] = {}
+                    self._init_entries(pack, group, [i])
+                pack.uniform = bool((pack.step_vec == pack.step_vec[0]).all()) if pack.params else True
+
+    # -- multi-tensor mode (contiguous=False) ---------------------------------------------
+    def _step_lists(self) -> None:
+        for group in self.param_groups:
+            buckets: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    self._init_list_state(p, st, group)
+                buckets.setdefault((p.device, p.dtype, self._list_step(st)), []).append(p)
+            for (_, _, step), ps in buckets.items():
+                self._update_list(group, ps, step + 1)
+                self._advance_list(ps)
+
+    def _init_list_state(self, p: torch.Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
+        st["step"] = torch.tensor(0.0)
+        for name in self._state_names(group):
+            st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _list_step(self, st: dict[str, Any]) -> int:
+        return int(st["step"])
+
+    def _advance_list(self, ps: list[torch.Tensor]) -> None:
+        torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
+
+    def _lists(self, ps: list[torch.Tensor], *names: str) -> list[TensorList]:
+        return [TensorList(ps), TensorList([p.grad for p in ps])] + [
+            TensorList([self.state[p][n] for p in ps]) for n in names]
+
+
+def _flat_args(pack: _Pack, i: int, j: int, *names: str) -> list[torch.Tensor]:
+    """(param, grad, *state) flat slices covering segments i..j-1."""
+    a = pack.arena
+    if i == 0 and j == len(pack.params):
+        return [a.param, a.grad] + [pack.state[n] for n in names]
+    lo, hi = a.segment_range(i, j)
+    return [a.param[lo:hi], a.grad[lo:hi]] + [pack.state[n][lo:hi] for n in names]
+
+
+def clip_grad_norm_(optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of all of ``optimizer``'s parameters; one reduction per arena.
+
+    Returns the total norm before clipping (a tensor), like ``torch.nn.utils.clip_grad_norm_``.
+    For a kiln optimizer with ``contiguous=False`` or any other optimizer it defers to torch.
+    """
+    if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    optimizer._sync(check_fresh=False)
+    packs = optimizer._packs
+    if not packs:
+        return torch.tensor(0.0)
+    device = packs[0].arena.device
+    norm_type = float(norm_type)
+    norms = [torch.linalg.vector_norm(pk.arena.grad, norm_type).to(device) for pk in packs]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+    # no data-dependent branch (a host sync on GPUs): multiply by min(1, max_norm/total)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for pk in packs:
+            pk.arena.grad.mul_(coef.to(pk.arena.grad.device, pk.arena.grad.dtype))
+    return total

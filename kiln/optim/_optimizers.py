@@ -1,0 +1,323 @@
+"""SGD, Adam, AdamW, LAMB and LARS over the arena (or over per-parameter lists).
+
+Fast paths with ``contiguous=True``:
+
+- SGD, Adam, AdamW: torch's fused CPU/CUDA kernels (``torch._fused_sgd_``,
+  ``torch._fused_adam_``, ``torch._fused_adamw_``) called on the one flat tensor of each
+  arena: the same math as torch.optim, one kernel, no per-parameter launch.
+- LAMB, LARS: the elementwise part of the rule runs as one ``torch.compile``d kernel
+  (hyperparameters in a 0-d tensor vector, so a schedule never recompiles); the per-tensor
+  norms are one ``torch._foreach_norm`` over the segment views; the per-tensor scaling one
+  ``torch._foreach_mul_``. Set ``KILN_OPTIM_EAGER=1`` or pass ``compile=False`` to run the
+  same rule eagerly (no 15-20 s first compile on CPU).
+
+Example::
+
+    >>> import torch, kiln.optim
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = kiln.optim.AdamW(model.parameters(), lr=1e-2)
+    >>> model(torch.randn(8, 4)).square().mean().backward()
+    >>> opt.step(); opt.zero_grad()
+    >>> opt.arenas[0].param.data_ptr() == model.weight.data_ptr()
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from kiln.optim import _rules
+from kiln.optim._base import ArenaOptimizer, _flat_args, _kernel, _Pack
+
+__all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
+
+
+def _check_torch_flags(differentiable: bool) -> None:
+    if differentiable:
+        raise NotImplementedError("kiln.optim does not support differentiable=True; use torch.optim")
+
+
+def _fused_ok(pack: _Pack) -> bool:
+    return pack.arena.device.type in ("cpu", "cuda") and pack.arena.dtype.is_floating_point
+
+
+def _hp(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    # hyperparameters as one small tensor: the compiled kernels see new values, never new code
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
+class SGD(ArenaOptimizer):
+    """torch.optim.SGD (momentum, dampening, Nesterov, weight decay) over the arena.
+
+    Internally a step count tells the first step (when the momentum buffer is set to the
+    gradient, as torch does); it is not part of the state dict, which holds only
+    ``momentum_buffer`` like torch's.
+    """
+
+    _has_step_state = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, differentiable: bool = False,
+                 fused: bool | None = None, contiguous: bool = True, shard_multiple: int | None = None):
+        _check_torch_flags(differentiable)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=foreach,
+                        differentiable=differentiable, fused=fused)
+        super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] else ()
+
+    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
+        names = self._state_names(group)
+        p, g, *bufs = _flat_args(pack, i, j, *names)
+        if _fused_ok(pack) and not getattr(self, "_force_rule", False):
+            torch._fused_sgd_([p], [g], bufs, weight_decay=group["weight_decay"],
+                              momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
+                              nesterov=group["nesterov"], maximize=group["maximize"],
+                              is_first_step=step == 1)
+            return
+        new_p, new_buf = _rules.sgd(p, g, bufs[0] if bufs else None, lr=group["lr"],
+                                    momentum=group["momentum"], dampening=group["dampening"],
+                                    weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                                    first_step=step == 1, maximize=group["maximize"])
+        p.copy_(new_p)
+        if bufs:
+            bufs[0].copy_(new_buf)
+
+    # torch's SGD has no 'step' in its state: a parameter has stepped iff it has a buffer
+    def _init_list_state(self, p, st, group):  # noqa: D102
+        pass
+
+    def _list_step(self, st: dict[str, Any]) -> int:
+        return 1 if st.get("momentum_buffer") is not None else 0
+
+    def _advance_list(self, ps: list[torch.Tensor]) -> None:
+        pass
+
+    def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], step: int) -> None:
+        P, G = self._lists(ps)
+        first = step == 1
+        buf = None
+        if group["momentum"] and not first:
+            buf = _rules.TensorList([self.state[p]["momentum_buffer"] for p in ps])
+        new_p, new_buf = _rules.sgd(P, G, buf, lr=group["lr"], momentum=group["momentum"],
+                                    dampening=group["dampening"], weight_decay=group["weight_decay"],
+                                    nesterov=group["nesterov"], first_step=first, maximize=group["maximize"])
+        new_p.copy_into(P)
+        if group["momentum"]:
+            if first:
+                for p, b in zip(ps, new_buf.ts):
+                    self.state[p]["momentum_buffer"] = b.clone() if b is p.grad else b
+            else:
+                new_buf.copy_into(buf)
+
+
+class Adam(ArenaOptimizer):
+    """torch.optim.Adam over the arena (``decoupled_weight_decay=True`` gives AdamW)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 decoupled_weight_decay: bool = False, contiguous: bool = True,
+                 shard_multiple: int | None = None):
+        _check_torch_flags(differentiable)
+        if not 0.0 <= eps or not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"invalid eps {eps} or betas {betas}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
+        p, g, m, v, *vmax = _flat_args(pack, i, j, *self._state_names(group))
+        beta1, beta2 = group["betas"]
+        if _fused_ok(pack) and not getattr(self, "_force_rule", False):
+            pack.step_t.fill_(step)
+            fn = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+            fn([p], [g], [m], [v], vmax, [pack.step_t], lr=group["lr"], beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
+               maximize=group["maximize"])
+            return
+        out = _rules.adam(p, g, m, v, vmax[0] if vmax else None, lr=group["lr"], beta1=beta1,
+                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                          decoupled=group["decoupled_weight_decay"], bc1=1 - beta1 ** step,
+                          bc2=1 - beta2 ** step, maximize=group["maximize"])
+        for dst, src in zip([p, m, v] + vmax, out):
+            dst.copy_(src)
+
+    def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], step: int) -> None:
+        P, G, M, V, *VM = self._lists(ps, *self._state_names(group))
+        beta1, beta2 = group["betas"]
+        out = _rules.adam(P, G, M, V, VM[0] if VM else None, lr=group["lr"], beta1=beta1, beta2=beta2,
+                          eps=group["eps"], weight_decay=group["weight_decay"],
+                          decoupled=group["decoupled_weight_decay"], bc1=1 - beta1 ** step,
+                          bc2=1 - beta2 ** step, maximize=group["maximize"])
+        for src, dst in zip(out, [P, M, V] + VM):
+            src.copy_into(dst)
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW over the arena: decoupled weight decay, default 1e-2."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None, contiguous: bool = True,
+                 shard_multiple: int | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, contiguous=contiguous, shard_multiple=shard_multiple)
+
+
+# -- LAMB -------------------------------------------------------------------------------------
+def _lamb_kernel(p, g, m, v, u_out, hp):
+    """Elementwise LAMB: new m, v and the direction u (written to u_out). hp = (b1, b2, eps,
+    wd, bc1, bc2) as a tensor so new values never trigger a recompile."""
+    b1, b2, eps, wd, bc1, bc2 = hp.unbind(0)
+    u, m_new, v_new = _rules.lamb_direction(p, g, m, v, beta1=b1, beta2=b2, eps=eps,
+                                            weight_decay=wd, bc1=bc1, bc2=bc2)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    u_out.copy_(u)
+
+
+def _segment_norms(views: list[torch.Tensor]) -> torch.Tensor:
+    """(S,) fp32 L2 norm of each tensor: the per-parameter reduction over the arena."""
+    if not views:
+        return torch.zeros(0)
+    dtype = torch.float32 if views[0].dtype in (torch.float16, torch.bfloat16) else None
+    return torch.stack(torch._foreach_norm(views, 2, dtype=dtype))
+
+
+class LAMB(ArenaOptimizer):
+    """LAMB (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962).
+
+    Per parameter tensor w, with bias-corrected Adam moments::
+
+        m = b1*m + (1-b1)*g;   v = b2*v + (1-b2)*g^2
+        u = (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps) + weight_decay*w
+        r = ||w|| / ||u||   (1 if either norm is 0; ||w|| capped at trust_clip if given)
+        w = w - lr * r * u
+
+    Norms are per tensor, never over the whole buffer. With ``contiguous=True`` the
+    elementwise part is one compiled kernel (``compile=False`` or ``KILN_OPTIM_EAGER=1``
+    runs it eagerly) and the update direction lives in a scratch buffer the size of the arena.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, *, trust_clip: float | None = None,
+                 contiguous: bool = True, shard_multiple: int | None = None, compile: bool | None = None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, trust_clip=trust_clip)
+        self.compile = compile
+        super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
+        p, g, m, v = _flat_args(pack, i, j, "exp_avg", "exp_avg_sq")
+        scratch = self._scratch(pack)
+        lo, hi = pack.arena.segment_range(i, j)
+        u = scratch[lo:hi]
+        b1, b2 = group["betas"]
+        hp = _hp([b1, b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step], p)
+        _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, hp)
+        pviews, uviews = pack.arena.pviews[i:j], pack.scratch_views[i:j]
+        r = _rules.trust_ratio(_segment_norms(pviews), _segment_norms(uviews), clip=group["trust_clip"])
+        torch._foreach_mul_(uviews, list(r.unbind()))
+        p.add_(u, alpha=-group["lr"])
+
+    def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], step: int) -> None:
+        P, G, M, V = self._lists(ps, "exp_avg", "exp_avg_sq")
+        b1, b2 = group["betas"]
+        u, m, v = _rules.lamb_direction(P, G, M, V, beta1=b1, beta2=b2, eps=group["eps"],
+                                        weight_decay=group["weight_decay"], bc1=1 - b1 ** step,
+                                        bc2=1 - b2 ** step)
+        r = _rules.trust_ratio(_segment_norms(P.ts), _segment_norms(u.ts), clip=group["trust_clip"])
+        (P - group["lr"] * (u * _rules.TensorList(r.unbind()))).copy_into(P)
+        m.copy_into(M)
+        v.copy_into(V)
+
+
+# -- LARS -------------------------------------------------------------------------------------
+def _lars_dir_kernel(p, g, d_out, hp):
+    """d = g + wd*p into d_out; hp = (wd,)."""
+    d_out.copy_(_rules.lars_direction(p, g, weight_decay=hp[0]))
+
+
+def _lars_mom_kernel(p, d, buf, hp, nesterov: bool):
+    """Heavy-ball step on the scaled direction; hp = (lr, momentum)."""
+    new_p, new_buf = _rules.momentum_update(p, d, buf, lr=hp[0], momentum=hp[1], nesterov=nesterov)
+    p.copy_(new_p)
+    buf.copy_(new_buf)
+
+
+class LARS(ArenaOptimizer):
+    """LARS (You et al., "Large Batch Training of Convolutional Networks", arXiv 1708.03888),
+    in the form VISSL uses. Per parameter tensor w with gradient g::
+
+        d = g + weight_decay*w
+        q = eta * ||w|| / ||d||        (1 if either norm is 0)
+        buf = momentum*buf + q*d       (buf starts at 0, so the first step sets buf = q*d)
+        w = w - lr * (q*d + momentum*buf if nesterov else buf)
+
+    With ``exclude_1d=True`` tensors with ndim <= 1 (biases, norm weights) get neither
+    adaptation nor decay: q = 1 and d = g, i.e. plain SGD with momentum.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
+                 weight_decay: float = 0.0, eta: float = 0.001, *, nesterov: bool = False,
+                 exclude_1d: bool = True, contiguous: bool = True, shard_multiple: int | None = None,
+                 compile: bool | None = None):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, nesterov=nesterov,
+                        exclude_1d=exclude_1d)
+        self.compile = compile
+        super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",)
+
+    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
+        p, g, buf = _flat_args(pack, i, j, "momentum_buffer")
+        scratch = self._scratch(pack)
+        lo, hi = pack.arena.segment_range(i, j)
+        d = scratch[lo:hi]
+        wd = group["weight_decay"]
+        _kernel(_lars_dir_kernel, self.compile)(p, g, d, _hp([wd], p))
+        pviews, dviews = pack.arena.pviews[i:j], pack.scratch_views[i:j]
+        q = _rules.trust_ratio(_segment_norms(pviews), _segment_norms(dviews), eta=group["eta"])
+        if group["exclude_1d"]:
+            one_d = [k for k in range(i, j) if pack.is1d[k]]
+            if one_d:
+                if wd:  # undo the decay: d = g for biases and norm weights
+                    torch._foreach_copy_([pack.scratch_views[k] for k in one_d],
+                                         [pack.arena.gviews[k] for k in one_d])
+                q[torch.tensor(one_d) - i] = 1.0
+        torch._foreach_mul_(dviews, list(q.unbind()))
+        _kernel(_lars_mom_kernel, self.compile)(p, d, buf, _hp([group["lr"], group["momentum"]], p),
+                                                bool(group["nesterov"]))
+
+    def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], step: int) -> None:
+        P, G, B = self._lists(ps, "momentum_buffer")
+        exclude = [group["exclude_1d"] and p.ndim <= 1 for p in ps]
+        wd = group["weight_decay"]
+        # per-tensor decay: 0 for excluded tensors
+        d = _rules.TensorList([g if ex else g + wd * p for p, g, ex in zip(ps, G.ts, exclude)]) if wd else G
+        q = _rules.trust_ratio(_segment_norms(P.ts), _segment_norms(d.ts), eta=group["eta"])
+        q = torch.where(torch.tensor(exclude), torch.ones_like(q), q)
+        new_p, new_buf = _rules.momentum_update(P, d * _rules.TensorList(q.unbind()), B, lr=group["lr"],
+                                                momentum=group["momentum"], nesterov=group["nesterov"])
+        new_p.copy_into(P)
+        new_buf.copy_into(B)
