@@ -140,6 +140,7 @@ class ArenaOptimizer(Optimizer):
                     if g is not None:
                         arena.gviews[i].copy_(g)
                         flags[slot + i] = 1
+                        flags[-1] = 1  # counts as fresh for the next step
                     self._link_grad(pack, i)
                 pack.ptrs = [p.data_ptr() for p in ps]
                 pack.grad_version = arena.grad._version

@@ -183,11 +183,11 @@ class AdamW(Adam):
 
 # -- LAMB -------------------------------------------------------------------------------------
 def _lamb_kernel(p, g, m, v, u_out, hp):
-    """Elementwise LAMB: new m, v and the direction u (written to u_out). hp = (b1, b2, eps,
-    wd, bc1, bc2) as a tensor so new values never trigger a recompile."""
-    b1, b2, eps, wd, bc1, bc2 = hp.unbind(0)
+    """Elementwise LAMB: new m, v and the direction u (written to u_out). hp = (b1, b2, c1, c2, eps,
+    wd, bc1, bc2) as a tensor (c = 1 - b) so new values never trigger a recompile."""
+    b1, b2, c1, c2, eps, wd, bc1, bc2 = hp.unbind(0)
     u, m_new, v_new = _rules.lamb_direction(p, g, m, v, beta1=b1, beta2=b2, eps=eps,
-                                            weight_decay=wd, bc1=bc1, bc2=bc2)
+                                            weight_decay=wd, bc1=bc1, bc2=bc2, c1=c1, c2=c2)
     m.copy_(m_new)
     v.copy_(v_new)
     u_out.copy_(u)
@@ -232,7 +232,7 @@ class LAMB(ArenaOptimizer):
         lo, hi = pack.arena.segment_range(i, j)
         u = scratch[lo:hi]
         b1, b2 = group["betas"]
-        hp = _hp([b1, b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step], p)
+        hp = _hp([b1, b2, 1 - b1, 1 - b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step], p)
         _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, hp)
         pviews, uviews = pack.arena.pviews[i:j], pack.scratch_views[i:j]
         r = _rules.trust_ratio(_segment_norms(pviews), _segment_norms(uviews), clip=group["trust_clip"])

