@@ -20,6 +20,8 @@ from typing import Any, Callable
 # name on the command line -> (module, one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "optimizer": ("kiln.bench.optimizer", "optimizer step time: torch for-loop/foreach/fused vs kiln's arena"),
+    "encoder-layer": ("kiln.bench.encoder_layer", "one pre-LN encoder layer: forward/backward/step, torch vs kiln (article setup)"),
+    "memory": ("kiln.bench.memory", "activation memory and step time under activation checkpointing x precision"),
 }
 
 

@@ -1,0 +1,214 @@
+"""``kiln bench encoder-layer``: the experiment of the contiguous-params article, one layer.
+
+One pre-LN transformer encoder layer (hidden 128, FFN 512, 16 heads, dropout 0.1), input a
+random batch of 50 sequences x 80 tokens x 128, loss = mean of the squared output, Adam with
+lr 1e-3. Forward (including the loss), backward and optimizer step (including zeroing the
+gradients) are timed separately, in ms per step (= seconds per 1000 steps), for:
+
+- ``a``: ``nn.TransformerEncoderLayer(norm_first=True)`` + ``torch.optim.Adam`` (defaults);
+- ``b``: the same layer + ``kiln.optim.Adam`` (parameters and gradients in one arena, one
+  fused update). Skipped, with a note, while ``kiln.optim.Adam`` does not exist;
+- ``c``: kiln's fused :class:`~kiln.models.encoder.EncoderLayer` with ``fast_dropout`` +
+  kiln's Adam + bf16 autocast + ``torch.compile``;
+- ``c-eager``: ``c`` without ``torch.compile``, to show what compile itself adds.
+
+Every variant starts from the same weights and sees the same input. The steps of the
+variants are interleaved in rounds, so a slow patch on a shared machine hits them all
+alike; compare the ratios, not absolute times.
+
+Why ``c`` is faster: FACTS.md measured that per-element CPU random-number generation for
+dropout is most of the forward. ``fast_dropout`` cuts the draws fourfold while remaining
+dropout with p = 0.1 (to within 2**-17; see :func:`kiln.models.encoder.fast_dropout`); bf16
+halves the bytes that the matmuls and elementwise kernels move; compile fuses softmax,
+dropout, the activation and the residual adds into few loops.
+
+    python -m kiln bench encoder-layer        # or run(Path("out"), quick=True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.compile import apply_compile, timed_first_call
+from kiln.models.encoder import EncoderLayer
+
+__all__ = ["run"]
+
+HIDDEN, FFN, HEADS, DROPOUT = 128, 512, 16, 0.1
+BATCH, SEQ = 50, 80
+LR = 1e-3
+PHASES = ("forward", "backward", "step")
+
+
+def _kiln_adam() -> Callable[..., torch.optim.Optimizer] | None:
+    """``kiln.optim.Adam`` if the optimizer package provides it yet, else None."""
+    try:
+        return getattr(importlib.import_module("kiln.optim"), "Adam", None)
+    except ImportError:
+        return None
+
+
+class _Variant:
+    """One configuration: a module, an optimizer and a context to run its forward in."""
+
+    def __init__(self, name: str, label: str, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 autocast: bool = False, compiled: nn.Module | None = None) -> None:
+        self.name, self.label = name, label
+        self.module, self.optimizer = module, optimizer
+        self.run = compiled if compiled is not None else module
+        self.autocast = autocast
+        self.times = {phase: [] for phase in PHASES}
+        self.first_step_s = 0.0
+
+    def step(self, x: torch.Tensor, record: bool) -> None:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with ctx:
+            y = self.run(x)  # (B, T, C)
+        loss = y.float().square().mean()  # the loss in fp32 also under bf16 autocast
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if record:
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                self.times[phase].append(seconds)
+
+    def summary(self) -> dict[str, Any]:
+        ms = {phase: 1e3 * _median(values) for phase, values in self.times.items()}
+        ms["total"] = sum(ms[phase] for phase in PHASES)
+        return {"label": self.label, "ms_per_step": ms, "first_step_seconds": self.first_step_s}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _build(quick: bool, notes: list[str]) -> list[_Variant]:
+    torch.manual_seed(0)
+    reference = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=DROPOUT, batch_first=True, norm_first=True)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+
+    def torch_layer() -> nn.TransformerEncoderLayer:
+        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=DROPOUT, batch_first=True, norm_first=True)
+        layer.load_state_dict(state)
+        return layer
+
+    variants = [_Variant("a", "torch layer + torch Adam", reference, torch.optim.Adam(reference.parameters(), lr=LR))]
+    kiln_adam = _kiln_adam()
+    if kiln_adam is None:
+        notes.append("b skipped: kiln.optim.Adam does not exist yet; c uses torch.optim.Adam(fused=True) instead")
+
+        def kiln_adam(params, lr):  # stand-in until kiln.optim lands; the closest torch has
+            return torch.optim.Adam(params, lr=lr, fused=True)
+    else:
+        layer = torch_layer()
+        variants.append(_Variant("b", "torch layer + kiln Adam", layer, kiln_adam(layer.parameters(), lr=LR)))
+
+    for name, compiled in (("c-eager", False), ("c", True)):
+        layer = EncoderLayer.from_torch_layer(torch_layer(), fast_dropout=True)
+        optimizer = kiln_adam(layer.parameters(), lr=LR)
+        run = None
+        if compiled:
+            if quick:
+                # A first compile takes 15-20 s on this CPU; the smoke run measures c eagerly.
+                notes.append("quick: c is not compiled (compile takes 15-20 s); its numbers equal c-eager's kind")
+            else:
+                run = apply_compile(layer)
+        label = "kiln layer + kiln Adam + bf16" + (" + compile" if compiled else " (eager)")
+        variants.append(_Variant(name, label, layer, optimizer, autocast=True, compiled=run))
+    return variants
+
+
+def _print_table(results: dict[str, dict[str, Any]]) -> None:
+    base = results["a"]["ms_per_step"]
+    print(f"{'':8} {'variant':44} {'forward':>8} {'backward':>8} {'step':>8} {'total':>8}   (s per 1000 steps)")
+    for name, r in results.items():
+        ms = r["ms_per_step"]
+        print(f"{name:8} {r['label']:44} " + " ".join(f"{ms[k] / 1e3 * 1e3:8.1f}" for k in (*PHASES, "total")))
+    print(f"{'':8} {'speedup vs a':44} " + " ".join(" " * 8 for _ in range(4)))
+    for name, r in results.items():
+        ms = r["ms_per_step"]
+        print(f"{name:8} {'':44} " + " ".join(f"{base[k] / ms[k]:7.2f}x" for k in (*PHASES, "total")))
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1.5))
+    left = [0.0] * len(names)
+    for phase, color in zip(PHASES, ("#4c72b0", "#dd8452", "#55a868")):
+        widths = [results[n]["ms_per_step"][phase] for n in names]
+        ax.barh(names, widths, left=left, color=color, label=phase)
+        left = [l + w for l, w in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per 1000 steps")
+    ax.set_title("encoder layer 128/512/16, batch 50 x 80, dropout 0.1")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
+    """Time the variants; print the table, write ``encoder-layer.json`` and ``encoder-layer.png``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    variants = _build(quick, notes)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1))  # (B, T, C)
+    warmup, steps, rounds = (1, 2, 1) if quick else (5, 60, 4)
+
+    for v in variants:
+        # The first step includes compilation for c; it is reported, not timed with the rest.
+        _, v.first_step_s = timed_first_call(lambda v=v: v.step(x, record=False))
+        for _ in range(warmup):
+            v.step(x, record=False)
+    for _ in range(rounds):
+        for v in variants:
+            for _ in range(steps // rounds):
+                v.step(x, record=True)
+
+    results = {v.name: v.summary() for v in variants}
+    base = results["a"]["ms_per_step"]
+    for r in results.values():
+        r["speedup_vs_a"] = {k: base[k] / r["ms_per_step"][k] for k in (*PHASES, "total")}
+    targets = {}
+    if "b" in results:
+        targets["b_step_3x"] = {"speedup": results["b"]["speedup_vs_a"]["step"], "target": 3.0}
+    targets["c_total_2x"] = {"speedup": results["c"]["speedup_vs_a"]["total"], "target": 2.0}
+    for t in targets.values():
+        t["met"] = t["speedup"] >= t["target"]
+
+    _print_table(results)
+    for note in notes:
+        print("note:", note)
+    report = {
+        "benchmark": "encoder-layer",
+        "setup": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "dropout": DROPOUT, "batch": BATCH, "seq": SEQ,
+                  "lr": LR, "steps": steps, "warmup": warmup, "quick": quick, "compiled": not quick,
+                  "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "unit": "ms per step (= seconds per 1000 steps), median",
+        "results": results,
+        "targets": targets,
+        "notes": notes,
+    }
+    (out_dir / "encoder-layer.json").write_text(json.dumps(report, indent=2))
+    _plot(results, out_dir / "encoder-layer.png")
+    return report

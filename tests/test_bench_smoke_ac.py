@@ -1,0 +1,34 @@
+"""Smoke runs of ``kiln bench encoder-layer`` and ``kiln bench memory`` (quick=True)."""
+
+from __future__ import annotations
+
+import json
+
+from kiln.bench import BENCHMARKS, run_benchmark
+
+
+def test_encoder_layer_bench_quick(tmp_path):
+    assert "encoder-layer" in BENCHMARKS
+    report = run_benchmark("encoder-layer", tmp_path, quick=True)
+    saved = json.loads((tmp_path / "encoder-layer.json").read_text())
+    assert saved["results"].keys() == report["results"].keys() >= {"a", "c", "c-eager"}
+    for name, r in saved["results"].items():
+        for phase in ("forward", "backward", "step", "total"):
+            assert r["ms_per_step"][phase] > 0, (name, phase)
+    # Quick mode skips compilation and says so.
+    assert saved["setup"]["compiled"] is False
+    assert any("not compiled" in note for note in saved["notes"])
+    assert (tmp_path / "encoder-layer.png").stat().st_size > 0
+
+
+def test_memory_bench_quick(tmp_path):
+    assert "memory" in BENCHMARKS
+    run_benchmark("memory", tmp_path, quick=True)
+    saved = json.loads((tmp_path / "memory.json").read_text())
+    assert {(r["ac"], r["precision"]) for r in saved["rows"]} == {("none", "fp32"), ("full", "fp32")}
+    for r in saved["rows"]:
+        assert r["activation_mb"] > 0 and r["step_ms"] > 0 and r["peak_mb"] > r["baseline_mb"] > 0, r
+    rows = {r["ac"]: r for r in saved["rows"]}
+    # Even on the small quick model, checkpointing every block must save activation memory.
+    assert rows["full"]["activation_mb"] < rows["none"]["activation_mb"]
+    assert (tmp_path / "memory.png").stat().st_size > 0
