@@ -15,6 +15,17 @@ os.environ.setdefault("KILN_OPTIM_EAGER", "1")  # the compiled path has its own 
 
 import kiln.optim as ko  # noqa: E402
 
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny tensors: with 2 threads on a shared 2-core machine, every op can wait a scheduler tick
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 X = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
 Y = torch.randn(32, 4, generator=torch.Generator().manual_seed(2))
 
