@@ -1,0 +1,230 @@
+"""``kiln bench optimizer``: time one optimizer ``step()`` on transformer-shaped parameters.
+
+Compares, in one process: torch.optim.AdamW as a for-loop (the CPU default), foreach and
+fused; torch's fused kernel called on one flat tensor (what the arena enables); the
+contiguous-params package with torch's Adam; torch-optimizer's Lamb; and kiln's AdamW and
+LAMB (contiguous and ``contiguous=False``). Also reports the memory-bandwidth floor of an
+AdamW step: 7 x 4 bytes per parameter (read p, g, m, v; write p, m, v) over the copy
+bandwidth measured in the same run.
+
+Layouts: 12 layers of width 128 (192 tensors, 2.4 M parameters) and 24 layers of width 512
+(384 tensors, 76 M). Each layer has q, k, v, o (d x d) with biases, two LayerNorms, and an
+MLP d -> 4d -> d: 16 tensors, 12 d^2 + 13 d parameters.
+
+    python -c "from kiln.bench import run_benchmark; run_benchmark('optimizer')"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+LAYOUTS = {"small": (12, 128), "large": (24, 512)}
+QUICK_LAYOUTS = {"small": (2, 32), "large": (2, 64)}
+
+
+def _layer_shapes(width: int) -> list[tuple[int, ...]]:
+    d = width
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(4):  # q, k, v, o projections
+        shapes += [(d, d), (d,)]
+    shapes += [(d,), (d,), (d,), (d,)]  # two LayerNorms
+    shapes += [(4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # MLP
+    return shapes
+
+
+def _make_params(layers: int, width: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in _layer_shapes(width) * layers:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
+        p.grad = torch.randn(shape, generator=g) * 1e-3
+        params.append(p)
+    return params
+
+
+def _time(step: Callable[[], None], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _copy_bandwidth(quick: bool) -> float:
+    """GB/s of y.copy_(x) (bytes read + bytes written) on tensors far larger than the caches."""
+    n = 2**22 if quick else 2**26  # 16 MiB / 256 MiB of fp32
+    x, y = torch.randn(n), torch.empty(n)
+    ms = _time(lambda: y.copy_(x), 2, 5 if quick else 10)
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def _methods(notes: list[str]) -> dict[str, Callable[[list[torch.nn.Parameter]], Callable[[], None]]]:
+    """name -> builder(params) -> step function. Builders that need a missing package are left out."""
+    import kiln.optim as ko
+
+    def torch_adamw(**kw):
+        return lambda ps: torch.optim.AdamW(ps, lr=1e-3, **kw).step
+
+    def fused_flat(ps):
+        flat_p = torch.cat([p.detach().reshape(-1) for p in ps])
+        flat_g = torch.cat([p.grad.reshape(-1) for p in ps])
+        m, v, step = torch.zeros_like(flat_p), torch.zeros_like(flat_p), torch.zeros(())
+
+        def run():
+            step.add_(1)
+            torch._fused_adamw_([flat_p], [flat_g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                                weight_decay=1e-2, eps=1e-8, amsgrad=False, maximize=False)
+        return run
+
+    def kiln_opt(cls, **kw):
+        def build(ps):
+            opt = cls(ps, lr=1e-3, **kw)
+
+            def run():
+                # stands for what backward() does: it tells the optimizer new gradients arrived
+                # (kiln refuses a step that sees none, see kiln.optim._base)
+                opt._flags[-1] = 1
+                opt.step()
+            return run
+        return build
+
+    methods: dict[str, Callable] = {
+        "torch_forloop": torch_adamw(foreach=False),
+        "torch_foreach": torch_adamw(foreach=True),
+        "torch_fused": torch_adamw(fused=True),
+        "torch_fused_one_flat_tensor": fused_flat,
+    }
+    try:
+        from contiguous_params import ContiguousParams
+
+        def cp_adam(ps):
+            grads = [p.grad.clone() for p in ps]
+            for p in ps:
+                p.grad = None
+            cp = ContiguousParams(ps)
+            for p, g in zip(cp.original(), grads):
+                p.grad.copy_(g)  # gradients live in the package's flat buffer
+            return torch.optim.Adam(cp.contiguous(), lr=1e-3).step
+        methods["contiguous_params_adam"] = cp_adam
+    except ImportError:
+        notes.append("contiguous-params not installed: skipped (pip install contiguous-params)")
+    methods["kiln_adamw"] = kiln_opt(ko.AdamW)
+    methods["kiln_adamw_foreach"] = kiln_opt(ko.AdamW, contiguous=False)
+    try:
+        import torch_optimizer
+
+        methods["torch_optimizer_lamb"] = lambda ps: torch_optimizer.Lamb(ps, lr=1e-3).step
+    except ImportError:
+        notes.append("torch-optimizer not installed: skipped (pip install --no-deps torch-optimizer pytorch_ranger)")
+    methods["kiln_lamb"] = kiln_opt(ko.LAMB)
+    methods["kiln_lamb_foreach"] = kiln_opt(ko.LAMB, contiguous=False)
+    return methods
+
+
+def run(out_dir: pathlib.Path, quick: bool = False) -> dict[str, Any]:
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    layouts = QUICK_LAYOUTS if quick else LAYOUTS
+    bandwidth = _copy_bandwidth(quick)
+    methods = _methods(notes)
+    results: dict[str, Any] = {
+        "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+        "load_average_at_start": list(os.getloadavg()), "copy_bandwidth_gbps": bandwidth,
+        "layouts": {}, "notes": notes,
+    }
+    for name, (layers, width) in layouts.items():
+        big = name == "large" and not quick
+        warmup, repeats = (1, 3) if quick else ((2, 7) if big else (5, 40))
+        n_params = sum(torch.Size(s).numel() for s in _layer_shapes(width)) * layers
+        ms: dict[str, float] = {}
+        for method, build in methods.items():
+            if big and ("lamb" in method):
+                continue  # the LAMB comparison is made on the small layout
+            params = _make_params(layers, width)
+            step = build(params)
+            w = warmup + (3 if method == "kiln_lamb" else 0)  # first call compiles
+            with torch.no_grad():
+                ms[method] = _time(step, w, repeats)
+            del params, step
+        floor = 7 * 4 * n_params / (bandwidth * 1e9) * 1e3
+        results["layouts"][name] = {
+            "layers": layers, "width": width, "tensors": 16 * layers, "parameters": n_params, "ms": ms,
+            "vs_torch_forloop": {k: ms["torch_forloop"] / v for k, v in ms.items()},
+            "vs_torch_fused": {k: ms["torch_fused"] / v for k, v in ms.items()},
+            "adamw_bandwidth_floor_ms": floor,
+        }
+    results["targets"] = _targets(results)
+    _print_table(results)
+    (out_dir / "optimizer.json").write_text(json.dumps(results, indent=2))
+    _plot(results, out_dir / "optimizer.png")
+    return results
+
+
+def _targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    small, large = results["layouts"]["small"]["ms"], results["layouts"]["large"]["ms"]
+    floor = results["layouts"]["large"]["adamw_bandwidth_floor_ms"]
+    t: dict[str, dict[str, Any]] = {
+        "small: kiln AdamW <= 0.5x torch fused": {"value": small["kiln_adamw"] / small["torch_fused"], "limit": 0.5},
+        "large: kiln AdamW <= 1.05x torch fused": {"value": large["kiln_adamw"] / large["torch_fused"],
+                                                   "limit": 1.05},
+        "small: kiln AdamW >= 10x faster than for-loop": {
+            "value": small["torch_forloop"] / small["kiln_adamw"], "limit": 10.0, "higher_is_better": True},
+        "large: kiln AdamW <= 1.2x bandwidth floor": {"value": large["kiln_adamw"] / floor, "limit": 1.2},
+    }
+    if "torch_optimizer_lamb" in small:
+        t["small: kiln LAMB >= 10x faster than torch-optimizer Lamb"] = {
+            "value": small["torch_optimizer_lamb"] / small["kiln_lamb"], "limit": 10.0, "higher_is_better": True}
+    for v in t.values():
+        v["met"] = v["value"] >= v["limit"] if v.get("higher_is_better") else v["value"] <= v["limit"]
+    return t
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    print(f"\noptimizer step, ms (median); torch {results['torch_version']}, {results['threads']} threads, "
+          f"copy bandwidth {results['copy_bandwidth_gbps']:.1f} GB/s")
+    for name, r in results["layouts"].items():
+        print(f"\n{name}: {r['layers']} layers x width {r['width']} = {r['tensors']} tensors, "
+              f"{r['parameters'] / 1e6:.2f} M parameters; AdamW bandwidth floor {r['adamw_bandwidth_floor_ms']:.2f} ms")
+        print(f"  {'method':32s} {'ms':>9s} {'x vs for-loop':>14s} {'x vs fused':>11s}")
+        for k, v in r["ms"].items():
+            print(f"  {k:32s} {v:9.3f} {r['vs_torch_forloop'][k]:14.2f} {r['vs_torch_fused'][k]:11.2f}")
+    print("\ntargets:")
+    for k, v in results["targets"].items():
+        print(f"  [{'met' if v['met'] else 'MISSED'}] {k}: {v['value']:.2f} (limit {v['limit']})")
+    for n in results["notes"]:
+        print("note:", n)
+
+
+def _plot(results: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(results["layouts"])
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5))
+    for ax, name in zip(axes if len(layouts) > 1 else [axes], layouts):
+        r = results["layouts"][name]
+        names, vals = list(r["ms"]), list(r["ms"].values())
+        colors = ["tab:orange" if n.startswith("kiln") else "tab:blue" for n in names]
+        ax.barh(names, vals, color=colors)
+        ax.axvline(r["adamw_bandwidth_floor_ms"], color="k", ls="--", lw=1, label="AdamW bandwidth floor")
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per step (log)")
+        ax.set_title(f"{name}: {r['tensors']} tensors, {r['parameters'] / 1e6:.1f} M params")
+        ax.invert_yaxis()
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
