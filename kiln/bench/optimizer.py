@@ -57,7 +57,7 @@ def _time(step: Callable[[], None], warmup: int, repeats: int) -> float:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3 if times else 0.0
 
 
 def _copy_bandwidth(quick: bool) -> float:
@@ -134,6 +134,8 @@ def _methods(notes: list[str]) -> dict[str, Callable[[list[torch.nn.Parameter]],
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict[str, Any]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("KILN_BENCH_THREADS"):  # e.g. 1 on a machine shared with other jobs
+        torch.set_num_threads(int(os.environ["KILN_BENCH_THREADS"]))
     notes: list[str] = []
     layouts = QUICK_LAYOUTS if quick else LAYOUTS
     bandwidth = _copy_bandwidth(quick)
@@ -148,15 +150,32 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict[str, Any]:
         warmup, repeats = (1, 3) if quick else ((2, 7) if big else (5, 40))
         n_params = sum(torch.Size(s).numel() for s in _layer_shapes(width)) * layers
         ms: dict[str, float] = {}
-        for method, build in methods.items():
-            if big and ("lamb" in method):
-                continue  # the LAMB comparison is made on the small layout
-            params = _make_params(layers, width)
-            step = build(params)
-            w = warmup + (3 if method == "kiln_lamb" else 0)  # first call compiles
+        if not big:
+            # small: all optimizers alive at once, timed in interleaved rounds, so that load
+            # from other processes drifts over every method alike
+            steps = {}
+            for method, build in methods.items():
+                steps[method] = build(_make_params(layers, width))
             with torch.no_grad():
-                ms[method] = _time(step, w, repeats)
-            del params, step
+                for method, step in steps.items():
+                    _time(step, warmup + (3 if method == "kiln_lamb" else 0), 0)  # first call compiles
+                times: dict[str, list[float]] = {m: [] for m in steps}
+                for _ in range(repeats):
+                    for method, step in steps.items():
+                        t0 = time.perf_counter()
+                        step()
+                        times[method].append(time.perf_counter() - t0)
+            ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
+            del steps
+        else:  # large: 1.2 GB per optimizer, one at a time
+            for method, build in methods.items():
+                if "lamb" in method:
+                    continue  # the LAMB comparison is made on the small layout
+                params = _make_params(layers, width)
+                step = build(params)
+                with torch.no_grad():
+                    ms[method] = _time(step, warmup, repeats)
+                del params, step
         floor = 7 * 4 * n_params / (bandwidth * 1e9) * 1e3
         results["layouts"][name] = {
             "layers": layers, "width": width, "tensors": 16 * layers, "parameters": n_params, "ms": ms,

@@ -28,6 +28,7 @@ that the arena is still authoritative:
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, Callable, Iterable
 
@@ -38,6 +39,8 @@ from kiln.optim._arena import Arena
 from kiln.optim._rules import TensorList
 
 _EAGER_ENV = "KILN_OPTIM_EAGER"
+_data_ptr = torch.Tensor.data_ptr
+_grad_of = operator.attrgetter("grad")
 _COMPILED: dict[str, Callable] = {}
 
 
@@ -194,9 +197,9 @@ class ArenaOptimizer(Optimizer):
         foreign = False
         for pack in self._packs:
             params = pack.params
-            if [p.data_ptr() for p in params] != pack.ptrs:
+            if list(map(_data_ptr, params)) != pack.ptrs:
                 self._relink_params(pack)
-            if not all([p.grad is e for p, e in zip(params, pack.gexpect)]):
+            if not all(map(operator.is_, map(_grad_of, params), pack.gexpect)):
                 foreign |= self._absorb_grads(pack)
         if check_fresh and not foreign and not self._flags[-1]:
             if all(pk.arena.grad._version == pk.grad_version for pk in self._packs) and any(
