@@ -217,7 +217,9 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
     for key in ("batch_size", "eval_batch_size"):
         if data[key] <= 0:
             raise ConfigError(f"data.{key}={data[key]} must be positive")
-    for key in ("accumulate", "log_every"):
+    if train["clip_grad_norm"] is not None and train["clip_grad_norm"] <= 0:
+        raise ConfigError(f"train.clip_grad_norm={train['clip_grad_norm']} must be positive (or null for no clipping)")
+    for key in ("accumulate", "log_every", "ac_every"):
         if train[key] < 1:
             raise ConfigError(f"train.{key}={train[key]} must be at least 1")
     for key in ("eval_every", "checkpoint_every"):

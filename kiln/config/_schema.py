@@ -50,9 +50,14 @@ class TrainConfig:
     run_name: Optional[str] = None  # run directory prefix; None: the config file's name
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     threads: Optional[int] = None  # torch intra-op CPU threads; None: torch's default
-    precision: Literal["fp32"] = "fp32"  # numeric precision of training
-    accumulate: int = 1  # micro-batches per optimizer step
-    clip_grad_norm: Optional[float] = None  # clip the global gradient norm to this
+    # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state;
+    # fp16 with dynamic loss scaling) | fp64 (for numerical checks). See kiln/precision.py.
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed", "fp64"] = "fp32"
+    accumulate: int = 1  # micro-batches per optimizer step, each data.batch_size / accumulate
+    clip_grad_norm: Optional[float] = None  # clip the global gradient norm (after unscaling)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks
+    ac_every: int = 2  # selective checkpointing: every ac_every-th block of model.blocks
+    compile: bool = False  # torch.compile the model (inductor C++ on CPU, Triton on GPU)
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
 

@@ -24,7 +24,8 @@ def metric_names(task: str) -> list[str]:
 
 
 @torch.inference_mode()
-def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device) -> dict[str, float]:
+def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Loss and accuracy over the whole loader, summed per sample (so the last, smaller batch
     counts with its true weight), under inference mode."""
     was_training = model.training
@@ -33,6 +34,8 @@ def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device) -> 
     correct = torch.zeros((), dtype=torch.int64, device=device)
     count = 0
     for inputs, targets in loader:
+        if inputs.is_floating_point():
+            inputs = inputs.to(dtype)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         logits = model(inputs).flatten(0, -2).float()
         targets = targets.flatten()

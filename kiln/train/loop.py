@@ -1,9 +1,12 @@
 """kiln's training loop: one function, read top to bottom.
 
-    build (data, model, optimizer, schedule)  ->  create the run directory
+    build (data, model [+ activation checkpointing], optimizer, schedule [, compile])
+    create the run directory
     for each optimizer step:
-        for each of train.accumulate micro-batches:  forward -> loss / K -> backward
-        clip (optional) -> optimizer step -> schedule step -> zero the gradients
+        for each of train.accumulate micro-batches:
+            forward under autocast -> loss / K -> (scaled) backward
+        unscale -> clip (optional) -> optimizer step (skipped on fp16 overflow)
+        -> schedule step -> zero the gradients
         log every train.log_every steps, evaluate every train.eval_every steps
     final evaluation -> final checkpoint -> summary.json -> loss.png
 
@@ -31,6 +34,7 @@ import torch
 
 import kiln
 from kiln.config import save_config
+from kiln.precision import Precision
 from kiln.train._build import (
     build_data,
     build_model,
@@ -75,9 +79,18 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
     seed_everything(tc.seed)
 
     # ---- build everything before touching the disk --------------------------------------
+    precision = Precision(tc.precision, device)
     data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device)
-    model = build_model(cfg.model).to(device)
+    model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
+    if tc.activation_checkpointing != "none":
+        from kiln.memory import apply_ac
+
+        apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
     optimizer = build_optimizer(cfg.optim, model)  # after .to(): the arena lives on the device
+    if tc.compile:
+        from kiln.compile import apply_compile
+
+        model = apply_compile(model)  # compiles lazily: the first step pays for it
     steps_per_epoch = len(data.train) // tc.accumulate
     if steps_per_epoch == 0:
         from kiln.config import ConfigError
@@ -99,8 +112,8 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
         parameters=n_params, total_steps=total_steps,
     )
     evals = [f"eval_{m}" for m in metric_names(data.task)]
-    run.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "samples_per_second",
-                      "peak_memory_mb", "wall_seconds", *evals])
+    run.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
+                      "samples_per_second", "peak_memory_mb", "wall_seconds", *evals])
     progress = Progress(total_steps, mode=tc.progress)
     progress.message(f"kiln: {n_params:,} parameters on {device}, {total_steps} steps -> {run.path}")
 
@@ -109,24 +122,30 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
     window_steps, window_start = 0, time.perf_counter()
     train_seconds, samples_seen = 0.0, 0
     last_train_loss, last_eval, grad_norm = float("nan"), {}, None
+    compile_seconds = None
     epoch = 0
     try:
         model.train()
         for step in range(1, total_steps + 1):
+            step_start = time.perf_counter()
             for _ in range(tc.accumulate):
                 epoch, (inputs, targets) = next(batches)
-                inputs = inputs.to(device, non_blocking=True)
+                inputs = _to_device(inputs, device, precision.param_dtype)
                 targets = targets.to(device, non_blocking=True)
-                # Each micro-batch holds batch_size / K samples, so dividing its mean loss by K
-                # makes the summed gradient that of the mean over the whole batch.
-                loss = loss_fn(data.task, model, (inputs, targets)) / tc.accumulate
-                loss.backward()
+                with precision.autocast():
+                    # Each micro-batch holds batch_size / K samples, so dividing its mean loss by
+                    # K makes the summed gradient that of the mean over the whole batch.
+                    loss = loss_fn(data.task, model, (inputs, targets)) / tc.accumulate
+                precision.backward(loss)  # fp16: backward of the scaled loss
                 window_loss += loss.detach()
             if tc.clip_grad_norm is not None:
+                precision.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 grad_norm = clip_gradients(optimizer, tc.clip_grad_norm)
-            optimizer.step()
-            scheduler.step()
+            if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
+                scheduler.step()
             optimizer.zero_grad()  # kiln's optimizers: one memset of the flat gradient
+            if tc.compile and step == 1:
+                compile_seconds = time.perf_counter() - step_start  # reported apart from step time
             window_steps += 1
             samples_seen += cfg.data.batch_size
 
@@ -135,16 +154,21 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
                 # note: .item() waits for the device; done once per log window, not per step
                 last_train_loss = (window_loss / window_steps).item()
                 elapsed = time.perf_counter() - window_start
+                if compile_seconds is not None and step <= tc.log_every:
+                    elapsed -= compile_seconds  # the compiling first step is not training speed
                 train_seconds += elapsed
                 row.update(
                     train_loss=last_train_loss, lr=scheduler.get_last_lr()[0],
                     grad_norm=None if grad_norm is None else float(grad_norm),
+                    loss_scale=precision.scaler.scale if precision.scaler else None,
+                    skipped_steps=precision.scaler.skipped_steps if precision.scaler else None,
                     samples_per_second=window_steps * cfg.data.batch_size / max(elapsed, 1e-9),
                 )
                 window_loss.zero_()
                 window_steps = 0
             if (tc.eval_every and step % tc.eval_every == 0) or step == total_steps:
-                last_eval = evaluate(data.task, model, data.val, device)
+                with precision.autocast():
+                    last_eval = evaluate(data.task, model, data.val, device, precision.param_dtype)
                 row.update({f"eval_{k}": v for k, v in last_eval.items()})
             if row:
                 row.update(step=step, epoch=round(epoch + _epoch_fraction(step, tc.accumulate, len(data.train)), 4),
@@ -156,9 +180,9 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
                                 **{f"val_{k}": v for k, v in last_eval.items() if "eval_loss" in row})
                 window_start = time.perf_counter()  # evaluation and logging are not training time
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
-                run.save_checkpoint(f"step-{step:08d}", _checkpoint(model, optimizer, scheduler, step))
+                run.save_checkpoint(f"step-{step:08d}", _checkpoint(model, optimizer, scheduler, step, precision))
 
-        run.save_checkpoint("final", _checkpoint(model, optimizer, scheduler, total_steps))
+        run.save_checkpoint("final", _checkpoint(model, optimizer, scheduler, total_steps, precision))
         summary = dict(
             status="completed", steps=total_steps,
             epochs=round(total_steps * tc.accumulate / len(data.train), 4),
@@ -166,6 +190,8 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
             samples_per_second=samples_seen / max(train_seconds, 1e-9),
             peak_memory_mb=peak_memory_mb(device),
             wall_seconds=time.perf_counter() - wall_start,
+            compile_seconds=compile_seconds,
+            skipped_steps=precision.scaler.skipped_steps if precision.scaler else 0,
             finished_at=_dt.datetime.now().isoformat(timespec="seconds"),
         )
         run.close()
@@ -188,6 +214,11 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
         run.close()
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    # torch.compile wraps the model; checkpoints hold the plain model's keys.
+    return getattr(model, "_orig_mod", model)
+
+
 def _forever(loader: Any):
     """Yield ``(epoch, batch)`` across epochs without end."""
     epoch = 0
@@ -205,11 +236,18 @@ def _round(x: Any) -> Any:
     return None if x is None else round(x)
 
 
-def _checkpoint(model: torch.nn.Module, optimizer: Any, scheduler: Any, step: int) -> dict[str, Any]:
+def _to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # Floating inputs follow the parameters' dtype (fp64 runs); token ids stay integers.
+    return x.to(device, dtype=dtype if x.is_floating_point() else None, non_blocking=True)
+
+
+def _checkpoint(model: torch.nn.Module, optimizer: Any, scheduler: Any, step: int,
+                precision: Precision) -> dict[str, Any]:
     return {
-        "model": model.state_dict(),
+        "model": _unwrapped(model).state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
+        "precision": precision.state_dict(),
         "step": step,
         "kiln_version": kiln.__version__,
     }

@@ -1,0 +1,157 @@
+"""Numeric precision of training: autocast policy and dynamic loss scaling for fp16.
+
+``train.precision``:
+
+- ``fp32`` (default): everything in float32.
+- ``bf16-mixed``: forward under ``torch.autocast(dtype=bfloat16)``; parameters, gradients and
+  optimizer state stay float32. bf16 has float32's exponent range, so no loss scaling is needed.
+- ``fp16-mixed``: autocast to float16 plus dynamic loss scaling (:class:`LossScaler`): fp16
+  gradients underflow without it.
+- ``fp64``: parameters and inputs in float64, for numerical equivalence checks.
+
+Use it in your own loop::
+
+    policy = Precision("fp16-mixed", torch.device("cuda"))
+    with policy.autocast():
+        loss = model(x).square().mean()
+    policy.backward(loss)
+    if policy.step(optimizer):          # False: non-finite gradients, step skipped
+        scheduler.step()
+    optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+MODES = ("fp32", "bf16-mixed", "fp16-mixed", "fp64")
+
+
+def gradient_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors that hold ``optimizer``'s gradients: the arena's flat gradient buffers when
+    the optimizer has them (so a check over all gradients is one reduction per buffer), else
+    every parameter's ``.grad``."""
+    flat = getattr(optimizer, "flat_grads", None)
+    if callable(flat):
+        return list(flat())
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: multiply the loss by ``scale`` before backward, then
+    divide the gradients by it. On non-finite gradients the step is skipped (parameters and
+    optimizer state untouched) and the scale halves; after ``growth_interval`` clean steps it
+    doubles. Falling below ``min_scale`` means gradients are non-finite at every scale: the
+    run has diverged, and that is an error rather than an endless string of skipped steps.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, min_scale: float = 1.0):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.clean_steps = 0
+        self.skipped_steps = 0
+        self._unscaled = False
+        self._found_inf: torch.Tensor | None = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Divide the gradients by the scale and return a 0-d tensor, 1.0 if any is non-finite.
+        Idempotent within a step (clipping calls it before ``step`` does)."""
+        if self._unscaled:
+            return self._found_inf
+        grads = gradient_tensors(optimizer)
+        device = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros(1, device=device)
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
+        if grads:
+            # One fused pass per buffer: checks for inf/nan and multiplies by 1/scale.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        self._found_inf, self._unscaled = found_inf, True
+        return found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale if not done yet, step unless gradients are non-finite, update the scale.
+        Returns whether the optimizer stepped."""
+        found_inf = self.unscale_(optimizer)
+        # note: .item() syncs with the device; the skip decision needs the answer on the host
+        overflow = bool(found_inf.item())
+        if not overflow:
+            optimizer.step()
+        self.update(overflow)
+        return not overflow
+
+    def update(self, overflow: bool) -> None:
+        self._unscaled, self._found_inf = False, None
+        if overflow:
+            self.skipped_steps += 1
+            self.clean_steps = 0
+            self.scale *= self.backoff_factor
+            if self.scale < self.min_scale:
+                raise FloatingPointError(
+                    f"fp16 loss scale fell below its floor {self.min_scale:g}: the gradients are inf/nan at "
+                    "every scale, so training has diverged. Lower optim.lr, set train.clip_grad_norm, "
+                    "or use train.precision=bf16-mixed (no loss scaling needed)"
+                )
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+class Precision:
+    """The precision policy of a run: what to autocast to, and whether to scale the loss."""
+
+    def __init__(self, mode: str = "fp32", device: torch.device | str = "cpu", **scaler_kwargs: Any):
+        if mode not in MODES:
+            raise ValueError(f"unknown precision {mode!r}; choose one of {', '.join(MODES)}")
+        self.mode = mode
+        self.device = torch.device(device)
+        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(mode)
+        self.param_dtype = torch.float64 if mode == "fp64" else torch.float32
+        self.scaler = LossScaler(**scaler_kwargs) if mode == "fp16-mixed" else None
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        if self.autocast_dtype is None:
+            yield
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the gradients true gradients (before clipping)."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer (or skip it on fp16 overflow); returns whether it stepped."""
+        if self.scaler:
+            return self.scaler.step(optimizer)
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,139 @@
+"""Precision policies, dynamic loss scaling, accumulation and clipping in the trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import kiln.optim
+from kiln.cli import main
+from kiln.precision import LossScaler, Precision
+from kiln.train import load_checkpoint, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+VIT = str(ROOT / "configs" / "digits_vit.py")
+
+
+def _optimizers():
+    yield "torch", lambda params: torch.optim.AdamW(params, lr=1e-2)
+    yield "kiln", lambda params: kiln.optim.AdamW(params, lr=1e-2)
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+             for k, s in opt.state_dict()["state"].items()}
+    return params, state
+
+
+@pytest.mark.parametrize("name, make", list(_optimizers()))
+def test_inf_gradient_skips_exactly_one_step_and_changes_nothing(name, make):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = make(model.parameters())
+    scaler = LossScaler(init_scale=2.0**16, growth_interval=1000)
+    x = torch.randn(16, 6)
+
+    def step(inject: bool) -> bool:
+        scaler.scale_loss(model(x).square().mean()).backward()
+        if inject:
+            next(iter(model.parameters())).grad[0, 0] = float("inf")
+        stepped = scaler.step(opt)
+        opt.zero_grad()
+        return stepped
+
+    assert step(False) and step(False)  # momentum is now non-zero
+    before_params, before_state = _snapshot(model, opt)
+    assert not step(True)
+    after_params, after_state = _snapshot(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before_params, after_params))
+    for k in before_state:
+        for n, v in before_state[k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after_state[k][n])), (k, n)
+    assert scaler.scale == 2.0**15 and scaler.skipped_steps == 1
+    assert step(False)  # training goes on, and really changes the parameters
+    assert not all(torch.equal(a, p) for a, p in zip(after_params, model.parameters()))
+
+
+def test_scale_grows_after_a_window_of_clean_steps_and_has_a_floor():
+    scaler = LossScaler(init_scale=8.0, growth_interval=3, min_scale=1.0)
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 16.0
+    scaler.update(overflow=True)
+    assert scaler.scale == 8.0 and scaler.clean_steps == 0
+    scaler.update(overflow=True)
+    scaler.update(overflow=True)
+    scaler.update(overflow=True)
+    assert scaler.scale == 1.0
+    with pytest.raises(FloatingPointError, match="diverged"):
+        scaler.update(overflow=True)
+
+
+def test_unscale_divides_by_the_scale_once():
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    expected = model.weight.grad.clone()
+    opt.zero_grad()
+    scaler = LossScaler(init_scale=1024.0)
+    scaler.scale_loss(model(x).sum()).backward()
+    scaler.unscale_(opt)
+    scaler.unscale_(opt)  # idempotent within a step
+    torch.testing.assert_close(model.weight.grad, expected, rtol=0, atol=1e-6)
+
+
+def test_precision_policy_autocasts():
+    policy = Precision("bf16-mixed", "cpu")
+    with policy.autocast():
+        y = nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == torch.bfloat16 and policy.scaler is None
+    assert Precision("fp16-mixed", "cpu").scaler is not None
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        Precision("fp8", "cpu")
+
+
+def _final_weights(tmp_path: Path, *overrides: str) -> dict[str, torch.Tensor]:
+    before = set(tmp_path.iterdir())
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", *overrides]) == 0
+    (run,) = set(tmp_path.iterdir()) - before
+    return load_checkpoint(run / "checkpoints" / "final.pt")["model"]
+
+
+def test_accumulation_equals_the_whole_batch_in_float64(tmp_path):
+    common = ("train.precision=fp64", "train.max_steps=6", "data.batch_size=64", "optim.lr=1e-2")
+    whole = _final_weights(tmp_path, *common, "train.accumulate=1")
+    accumulated = _final_weights(tmp_path, *common, "train.accumulate=4")
+    assert whole["blocks.0.0.weight"].dtype == torch.float64
+    for key in whole:
+        torch.testing.assert_close(accumulated[key], whole[key], rtol=1e-12, atol=1e-12)
+    # and the run really moved away from the initial weights
+    torch.manual_seed(0)
+    init = _final_weights(tmp_path, *common, "train.max_steps=1", "optim.lr=1e-12")
+    assert not torch.allclose(init["blocks.0.0.weight"], whole["blocks.0.0.weight"], atol=1e-4)
+
+
+def test_clipping_logs_the_pre_clip_norm_and_bounds_the_update(tmp_path):
+    before = set(tmp_path.iterdir())
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=4", "train.log_every=1",
+                 "train.clip_grad_norm=0.01"]) == 0
+    (run,) = set(tmp_path.iterdir()) - before
+    norms = [float(r["grad_norm"]) for r in read_metrics(run)]
+    assert len(norms) == 4 and all(n > 0.01 for n in norms)  # logged before clipping
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_mixed_precision_vit_reaches_95_percent(tmp_path, precision):
+    before = set(tmp_path.iterdir())
+    assert main(["train", VIT, f"train.output_dir={tmp_path}", f"train.precision={precision}",
+                 "train.eval_every=0"]) == 0
+    (run,) = set(tmp_path.iterdir()) - before
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval"]["accuracy"] >= 0.95, summary["eval"]
