@@ -9,7 +9,7 @@
 """
 
 from kiln.data._datasets import DataSplits, build_dataset, dataset_signature, list_datasets, register_dataset
-from kiln.data._loader import build_loader, infinite
+from kiln.data._loader import build_loader, infinite, resolve_workers, shard_iterable, worker_seed
 
 __all__ = [
     "DataSplits",
@@ -19,4 +19,7 @@ __all__ = [
     "register_dataset",
     "build_loader",
     "infinite",
+    "resolve_workers",
+    "shard_iterable",
+    "worker_seed",
 ]

@@ -1,13 +1,137 @@
-"""DataLoader construction with reproducible shuffling, and an endless batch stream."""
+"""DataLoader construction: worker count, pinning, prefetch, worker seeding, distributed sampling.
+
+Reproducibility rules that :func:`build_loader` enforces:
+
+- The sample order depends only on ``seed`` and the epoch: never on the global RNG, the number
+  of workers, or whether workers persist. (Torch draws each iterator's worker base seed from
+  the loader's generator; sharing that generator with the shuffle sampler would make the
+  order of later epochs depend on ``persistent_workers``. The sampler has its own.)
+- Every worker of every rank seeds Python ``random``, NumPy's global RNG and torch with
+  :func:`worker_seed` ``(seed, rank, worker_id, epoch)``. Torch's own per-worker seeds are
+  the same on every rank that shares a seed, so without this all ranks draw the same
+  augmentations.
+- With ``world_size > 1`` map-style data goes through ``DistributedSampler``: each rank sees
+  a disjoint ``1/world_size`` of every epoch. Iterable data shards itself with
+  :func:`shard_iterable` (a loader cannot split a stream it cannot index).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import itertools
+import os
+import random
+from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar, Union
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-__all__ = ["build_loader", "infinite"]
+__all__ = ["build_loader", "infinite", "resolve_workers", "worker_seed", "shard_iterable"]
+
+_MAX_AUTO_WORKERS = 8  # past ~8 workers per process the main process, not the workers, is the bottleneck
+
+T = TypeVar("T")
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # respects taskset / cgroup cpusets, unlike os.cpu_count()
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_workers(workers: Union[int, Literal["auto"]]) -> int:
+    """The number of worker processes ``build_loader`` starts for ``workers``.
+
+    ``"auto"``: the usable CPUs divided among the processes of this machine (torchrun's
+    ``LOCAL_WORLD_SIZE``), capped at 8; 0 (load in the main process) when that leaves a single
+    CPU, because one worker on one CPU only adds the cost of moving batches between processes.
+
+    >>> resolve_workers(3)
+    3
+    """
+    if workers == "auto":
+        local_procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        per_proc = _usable_cpus() // local_procs
+        return 0 if per_proc <= 1 else min(per_proc, _MAX_AUTO_WORKERS)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"build_loader: workers={workers!r} must be a non-negative integer or 'auto'")
+    return workers
+
+
+def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Fill in ``rank``/``world_size`` from torch.distributed, then torchrun's environment, else 0/1."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            found = dist.get_rank(), dist.get_world_size()
+        else:
+            found = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
+    return rank, world_size
+
+
+def worker_seed(seed: int, rank: int, worker_id: int, epoch: int) -> np.random.SeedSequence:
+    """The seed sequence of one loader worker; distinct inputs give independent streams.
+
+    >>> a, b = worker_seed(0, 0, 0, 0), worker_seed(0, 1, 0, 0)
+    >>> bool((a.generate_state(2) != b.generate_state(2)).any())
+    True
+    """
+    # SeedSequence hashes the whole tuple, so (seed=1, rank=0) and (seed=0, rank=1) do not
+    # collide as they would with seed + rank.
+    return np.random.SeedSequence([seed % 2**64, rank, worker_id, epoch])
+
+
+def _torch_seed(seq: np.random.SeedSequence) -> int:
+    return int(seq.generate_state(1, np.uint64)[0] >> np.uint64(1))  # 63 bits: manual_seed takes an int64
+
+
+class _SeedWorker:
+    """``worker_init_fn``: seeds ``random``, NumPy and torch in a worker from :func:`worker_seed`.
+
+    A picklable object rather than a closure, so it also works with the spawn start method.
+    """
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.seed, self.rank = seed, rank
+        self.epoch = 0  # set by _Loader before it starts workers
+
+    def __call__(self, worker_id: int) -> None:
+        words = [int(w) for w in worker_seed(self.seed, self.rank, worker_id, self.epoch).generate_state(4)]  # uint32
+        random.seed(words[0] << 32 | words[1])
+        np.random.seed(words)  # the legacy global RNG, which np.random.rand() and most augmentation code use
+        torch.manual_seed((words[2] << 32 | words[3]) >> 1)  # 63 bits: manual_seed takes an int64
+
+
+class _Loader(DataLoader):
+    """A DataLoader that knows its epoch: iterating it tells the sampler and the worker seeder.
+
+    Each ``iter(loader)`` runs epoch ``loader.epoch`` and then counts it up, so a plain
+    ``for epoch in range(n): for batch in loader`` reshuffles a ``DistributedSampler`` every
+    epoch. ``set_epoch(e)`` jumps (e.g. when resuming). Workers started at epoch ``e`` are
+    seeded with it; persistent workers are started once and their streams run on.
+    """
+
+    epoch: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        if isinstance(self.worker_init_fn, _SeedWorker):
+            self.worker_init_fn.epoch = self.epoch
+        self.epoch += 1
+        return super().__iter__()
 
 
 def build_loader(
@@ -17,14 +141,29 @@ def build_loader(
     shuffle: bool,
     seed: int,
     drop_last: bool = False,
-    workers: int = 0,
-    pin_memory: bool = False,
+    workers: Union[int, Literal["auto"]] = 0,
+    pin_memory: Union[bool, Literal["auto"]] = False,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    collate_fn: Callable[[list], Any] | None = None,
 ) -> DataLoader:
-    """A DataLoader whose shuffling order is fixed by ``seed``.
+    """A DataLoader whose order and worker randomness are fixed by ``seed`` (and the epoch).
 
-    The loader owns a ``torch.Generator`` seeded with ``seed``: each epoch draws a new
-    permutation from it, so the sequence of epochs is the same in every run with that seed,
-    independent of the global RNG.
+    ``workers``: worker processes, or ``"auto"`` (see :func:`resolve_workers`).
+    ``pin_memory``: page-locked batches for faster host-to-GPU copies; ``"auto"``: when CUDA is available.
+    ``persistent_workers``: keep workers alive between epochs (default: whenever there are
+    workers; re-forking them costs seconds per epoch on small datasets).
+    ``prefetch_factor``: batches each worker loads ahead (None: torch's default, 2).
+    ``rank``/``world_size``: this process's shard of map-style data (default: from
+    torch.distributed if initialized, else torchrun's RANK/WORLD_SIZE, else one process).
+    With ``drop_last=False`` a rank's shard is padded with repeated samples so that every rank
+    runs the same number of steps; with ``drop_last=True`` the tail is dropped instead.
+
+    With ``workers="auto"`` resolving to 0 (one CPU), ``persistent_workers`` and
+    ``prefetch_factor`` are ignored, so one config runs on every machine; with an explicit
+    ``workers=0`` they are an error.
 
     >>> from torch.utils.data import TensorDataset
     >>> loader = build_loader(TensorDataset(torch.arange(6)), 4, shuffle=True, seed=0)
@@ -33,20 +172,84 @@ def build_loader(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"build_loader: batch_size={batch_size!r} must be a positive integer")
-    if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"build_loader: workers={workers!r} must be a non-negative integer")
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"build_loader: seed={seed!r} must be an integer")
+    num_workers = resolve_workers(workers)
+    if pin_memory == "auto":
+        pin_memory = torch.cuda.is_available()
+    elif not isinstance(pin_memory, bool):
+        raise ValueError(f"build_loader: pin_memory={pin_memory!r} must be true, false or 'auto'")
+    if prefetch_factor is not None and (
+        not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1
+    ):
+        raise ValueError(f"build_loader: prefetch_factor={prefetch_factor!r} must be a positive integer or None")
+    if num_workers == 0:
+        if workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                f"build_loader: prefetch_factor={prefetch_factor} needs worker processes (workers > 0 or 'auto'); "
+                "the main process loads one batch at a time"
+            )
+        if workers == 0 and persistent_workers:
+            raise ValueError("build_loader: persistent_workers=True needs worker processes (workers > 0 or 'auto')")
+        persistent_workers, prefetch_factor = False, None
+    elif persistent_workers is None:
+        persistent_workers = True
+    rank, world_size = _rank_world(rank, world_size)
+
+    if isinstance(dataset, IterableDataset):
+        if shuffle:
+            raise ValueError(
+                "build_loader: shuffle=True is not possible for an IterableDataset (it has no indices); "
+                "shuffle inside the dataset, e.g. with a buffer seeded from torch.utils.data.get_worker_info().seed"
+            )
+        # The loader cannot split a stream; the dataset must (kiln.data.shard_iterable).
+        sampler = None
+    elif world_size > 1:
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+    elif shuffle:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    else:
+        sampler = SequentialSampler(dataset)
+
+    # Only feeds torch's per-iterator worker base seed (get_worker_info().seed; _SeedWorker then
+    # reseeds the RNGs): without it torch would draw that seed from, and so advance, the global
+    # RNG every epoch. Per rank, so that get_worker_info().seed differs across ranks too.
+    generator = torch.Generator().manual_seed(_torch_seed(np.random.SeedSequence([seed % 2**64, rank], spawn_key=(1,))))
+    return _Loader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
-        generator=generator,
+        sampler=sampler,
         drop_last=drop_last,
-        num_workers=workers,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
         pin_memory=pin_memory,
-        # Re-forking workers every epoch costs seconds on small datasets.
-        persistent_workers=workers > 0,
+        worker_init_fn=_SeedWorker(seed, rank) if num_workers > 0 else None,
+        generator=generator,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
     )
+
+
+def shard_iterable(iterable: Iterable[T], rank: int | None = None, world_size: int | None = None) -> Iterator[T]:
+    """This (rank, loader worker)'s share of ``iterable``: every ``n``-th item, ``n`` = ranks x workers.
+
+    Call it inside ``IterableDataset.__iter__``; together all workers of all ranks yield each
+    item exactly once. ``rank``/``world_size`` default as in :func:`build_loader`. Every shard
+    still reads the whole stream and skips the others' items, so make reading cheap (e.g.
+    iterate file names and open only your own).
+
+    >>> class Numbers(torch.utils.data.IterableDataset):
+    ...     def __iter__(self):
+    ...         return shard_iterable(range(6), rank=1, world_size=2)
+    >>> list(Numbers())
+    [1, 3, 5]
+    """
+    rank, world_size = _rank_world(rank, world_size)
+    info = torch.utils.data.get_worker_info()
+    worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+    return itertools.islice(iterable, rank * num_workers + worker_id, None, world_size * num_workers)
 
 
 def infinite(loader: DataLoader) -> Iterator[tuple[int, Any]]:
@@ -59,8 +262,9 @@ def infinite(loader: DataLoader) -> Iterator[tuple[int, Any]]:
     """
     epoch = 0
     while True:
-        # Samplers such as DistributedSampler shuffle per epoch only when told the epoch.
-        set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+        # Samplers such as DistributedSampler shuffle per epoch only when told the epoch;
+        # build_loader's loaders pass it on to their sampler and worker seeds themselves.
+        set_epoch = getattr(loader, "set_epoch", None) or getattr(getattr(loader, "sampler", None), "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
         empty = True
