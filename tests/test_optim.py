@@ -419,7 +419,7 @@ def test_9_state_dict_moves_between_torch_and_kiln(name, tcls, kcls, kw):
     train(ref, oref, 3)
     train(mk, ok_, 3)
     sd = ok_.state_dict()
-    assert sorted(sd["state"]) == list(range(6)) and [g["params"] for g in sd["param_groups"]] == [[0, 2, 5], [1, 3, 4]] or True
+    assert sorted(sd["state"]) == list(range(6))
     tsd = oref.state_dict()
     assert set(sd["state"]) == set(tsd["state"])
     for k in tsd["state"]:
@@ -462,7 +462,8 @@ def test_zero_grad_is_one_memset_and_updates_are_in_the_arena():
     assert arena.grad.abs().sum() == 0 and all(p.grad is not None for p in m.parameters())
     exp_avg = opt.state[m[0].weight]["exp_avg"]
     assert exp_avg.shape == m[0].weight.shape
-    assert exp_avg.untyped_storage().data_ptr() == opt.arenas[0].param.untyped_storage().data_ptr() or True
+    flat_exp_avg = opt._packs[0].state["exp_avg"]
+    assert exp_avg.untyped_storage().data_ptr() == flat_exp_avg.untyped_storage().data_ptr()
 
 
 def test_optimizers_registry_and_trainer_call():
