@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "optimizer": ("kiln.bench.optimizer", "optimizer step time: torch for-loop/foreach/fused vs kiln's arena"),
     "encoder-layer": ("kiln.bench.encoder_layer", "one pre-LN encoder layer: forward/backward/step, torch vs kiln (article setup)"),
     "memory": ("kiln.bench.memory", "activation memory and step time under activation checkpointing x precision"),
+    "dataloader": ("kiln.bench.dataloader", "samples/s and time to first batch of CPU-heavy augmentation: workers=0 vs workers='auto'"),
 }
 
 

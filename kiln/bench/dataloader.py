@@ -1,0 +1,245 @@
+"""``kiln bench dataloader``: samples/s of CPU-heavy augmentation, in-process vs worker processes.
+
+The dataset is scikit-learn's 8x8 digits with a per-sample augmentation pipeline of the kind
+image training uses, written in torch and NumPy: bicubic upsampling to 160x160, a random
+resized crop to 128x128, random foreground/background colours (1 -> 3 channels), a random
+flip, a random rotation with an elastic distortion (``affine_grid`` plus a smoothed random
+displacement field, then ``grid_sample``), a Gaussian blur, Gaussian noise and a random
+contrast. It costs several milliseconds per sample, so one process cannot keep up.
+
+Both loaders come from :func:`kiln.data.build_loader` with the same seed and batch size:
+``workers=0`` is the plain ``DataLoader`` default (load in the training process);
+``workers="auto"`` starts one worker per usable CPU (persistent, torch's default prefetch).
+For each, the time to the first batch includes starting the workers; samples/s is measured
+over a fixed number of batches after the first. Each loader is measured ``repeats`` times,
+alternating, and the best run is kept (a shared machine only ever makes a run slower).
+
+Other processes on the machine cap what any number of workers can give, so the run also
+measures ``cpu_parallelism``: how much faster ``auto`` processes finish a pure-Python CPU
+task than one process does, right before the loaders are measured.
+
+    python -c "from kiln.bench import run_benchmark; run_benchmark('dataloader')"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+__all__ = ["run", "AugmentedDigits"]
+
+FULL = dict(batch_size=32, batches=30, repeats=2)
+QUICK = dict(batch_size=8, batches=3, repeats=1)
+TARGET_SPEEDUP = 1.7  # on a 2-CPU machine: 2 workers, minus the main process's share
+
+
+def _gaussian_kernel(sigma: float, size: int = 7) -> torch.Tensor:
+    r = torch.arange(size, dtype=torch.float32) - size // 2
+    k = torch.exp(-(r**2) / (2 * sigma**2))
+    k = k / k.sum()
+    return (k[:, None] * k[None, :])[None, None]  # (1, 1, size, size)
+
+
+class AugmentedDigits(Dataset):
+    """Digits as (3, out, out) float32 images through a random augmentation pipeline.
+
+    Randomness comes from the global ``random``, NumPy and torch RNGs, as in most augmentation
+    code, so each loader worker's seeding decides whether the augmentations are independent.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, upsample: int = 160, out: int = 128):
+        self.images = images  # (N, 8, 8) float32 in [0, 1]
+        self.labels = labels  # (N,) int64
+        self.upsample, self.out = upsample, out
+        self.blur = _gaussian_kernel(1.2)
+        self.elastic = _gaussian_kernel(3.0, size=13).expand(2, 1, -1, -1)  # (2, 1, 13, 13): smooths dx, dy
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[i][None, None]  # (1, 1, 8, 8)
+        x = F.interpolate(x, size=(self.upsample, self.upsample), mode="bicubic", align_corners=False)
+        # Random resized crop: 60-100% of the area, aspect ratio 3/4..4/3.
+        area = random.uniform(0.6, 1.0) * self.upsample**2
+        aspect = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
+        h = min(self.upsample, int(round(math.sqrt(area / aspect))))
+        w = min(self.upsample, int(round(math.sqrt(area * aspect))))
+        top, left = random.randint(0, self.upsample - h), random.randint(0, self.upsample - w)
+        x = x[:, :, top : top + h, left : left + w]
+        x = F.interpolate(x, size=(self.out, self.out), mode="bilinear", align_corners=False)  # (1, 1, out, out)
+        # Random foreground and background colours: 1 channel -> 3.
+        fg, bg = torch.rand(3, 1, 1), torch.rand(3, 1, 1) * 0.5
+        x = x * fg + (1 - x) * bg  # (1, 3, out, out)
+        if np.random.rand() < 0.5:
+            x = x.flip(-1)
+        angle = math.radians(float(np.random.uniform(-15, 15)))
+        theta = torch.tensor([[math.cos(angle), -math.sin(angle), 0.0], [math.sin(angle), math.cos(angle), 0.0]])
+        grid = F.affine_grid(theta[None], list(x.shape), align_corners=False)  # (1, out, out, 2)
+        # Elastic distortion (Simard et al., 2003): a smoothed random displacement field, in
+        # grid units (the image spans [-1, 1]), added to the rotation's sampling grid.
+        field = torch.rand(1, 2, self.out, self.out) * 2 - 1  # (1, 2, out, out)
+        field = F.conv2d(field, self.elastic, padding=self.elastic.shape[-1] // 2, groups=2)
+        grid = grid + 0.4 * field.permute(0, 2, 3, 1)
+        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        x = F.conv2d(x, self.blur.expand(3, 1, -1, -1), padding=self.blur.shape[-1] // 2, groups=3)
+        x = x + 0.05 * torch.randn_like(x)
+        x = (x - x.mean()) * (0.8 + 0.4 * torch.rand(()))  # random contrast
+        return x[0], self.labels[i]  # (3, out, out), ()
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.from_numpy(bunch.images).to(torch.float32) / 16.0  # (1797, 8, 8)
+    return images, torch.from_numpy(bunch.target).to(torch.int64)
+
+
+def _measure(dataset: Dataset, workers: int | str, batch_size: int, batches: int) -> dict[str, float]:
+    from kiln.data import build_loader
+
+    loader = build_loader(dataset, batch_size, shuffle=True, seed=0, workers=workers, drop_last=True)
+    start = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(batches):
+        x, _ = next(it)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    num_workers = loader.num_workers
+    del it, loader  # stops the workers before the next measurement
+    return {
+        "workers": num_workers,
+        "time_to_first_batch_s": first,
+        "samples_per_s": batches * batch_size / elapsed,
+        "ms_per_batch": 1e3 * elapsed / batches,
+        # CPU time of this (the training) process per batch: what loading takes away from training.
+        "main_cpu_ms_per_batch": 1e3 * cpu / batches,
+    }
+
+
+def _spin(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def _cpu_parallelism(processes: int, n: int = 2_000_000) -> float:
+    """Speedup of ``processes`` processes over one on the same CPU-bound work (ideal: ``processes``)."""
+    import multiprocessing
+
+    if processes < 2:
+        return 1.0
+    start = time.perf_counter()
+    for _ in range(processes):
+        _spin(n)
+    serial = time.perf_counter() - start
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        pool.map(_spin, [1] * processes)  # start the processes before timing
+        start = time.perf_counter()
+        pool.map(_spin, [n] * processes, chunksize=1)
+        parallel = time.perf_counter() - start
+    return serial / parallel
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.bar(names, [results[n]["samples_per_s"] for n in names], color=["tab:gray", "tab:orange"])
+    ax1.set_ylabel("samples / s (higher is better)")
+    ax1.set_title("throughput after the first batch")
+    ax2.bar(names, [results[n]["time_to_first_batch_s"] for n in names], color=["tab:gray", "tab:orange"])
+    ax2.set_ylabel("seconds (lower is better)")
+    ax2.set_title("time to first batch")
+    fig.suptitle("kiln bench dataloader: augmented digits")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
+    """Measure ``workers=0`` and ``workers="auto"``; print the table, write ``dataloader.json`` and ``.png``."""
+    from kiln.data import resolve_workers
+
+    spec = QUICK if quick else FULL
+    images, labels = _digits()
+    dataset = AugmentedDigits(images, labels)
+
+    auto = resolve_workers("auto")
+    parallelism = _cpu_parallelism(auto, n=200_000 if quick else 2_000_000)
+    configs = {"workers=0": 0, "workers=auto": "auto"}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    threads = torch.get_num_threads()
+    # Workers run torch single-threaded; so does the in-process baseline. With more threads,
+    # ops on one small image pay thread-pool wake-ups (on a busy 2-CPU box, ~30x slower),
+    # which would inflate the speedup for a reason that has nothing to do with workers.
+    torch.set_num_threads(1)
+    try:
+        for _ in range(spec["repeats"]):
+            for name, workers in configs.items():
+                runs[name].append(_measure(dataset, workers, spec["batch_size"], spec["batches"]))
+    finally:
+        torch.set_num_threads(threads)
+    results = {}
+    for name, rs in runs.items():
+        best = max(rs, key=lambda r: r["samples_per_s"])
+        results[name] = dict(best, time_to_first_batch_s=min(r["time_to_first_batch_s"] for r in rs))
+    sample_ms = results["workers=0"]["ms_per_batch"] / spec["batch_size"]
+    speedup = results["workers=auto"]["samples_per_s"] / results["workers=0"]["samples_per_s"]
+
+    print(f"{'loader':14} {'workers':>7} {'samples/s':>10} {'ms/batch':>9} {'main CPU ms/batch':>18} "
+          f"{'first batch s':>14}")
+    for name, r in results.items():
+        print(f"{name:14} {r['workers']:7d} {r['samples_per_s']:10.1f} {r['ms_per_batch']:9.1f} "
+              f"{r['main_cpu_ms_per_batch']:18.1f} {r['time_to_first_batch_s']:14.3f}")
+    met = speedup >= TARGET_SPEEDUP
+    print(f"speedup workers=auto ({auto}) vs workers=0: {speedup:.2f}x "
+          f"(target {TARGET_SPEEDUP}x: {'met' if met else 'MISSED'}); {sample_ms:.2f} ms per sample in-process")
+    print(f"cpu_parallelism: {auto} processes ran {parallelism:.2f}x as fast as one on this machine just before "
+          f"(load average {os.getloadavg()[0]:.1f})")
+
+    notes = [
+        "samples/s is the best of `repeats` runs over `batches` batches after the first; "
+        "time to first batch is the best of the runs and includes starting the workers",
+        "torch runs single-threaded in the main process during the measurement, as in the workers",
+        "while the first batch is being made the other workers already prepare theirs, so the "
+        "workers' samples/s includes up to one batch per worker of head start",
+    ]
+    if parallelism < TARGET_SPEEDUP:
+        notes.append(f"other processes left this run {parallelism:.2f}x of parallel CPU for {auto} processes: "
+                     "the target could not be met on this machine at this time")
+    if auto < 2:
+        notes.append(f"only {auto} worker(s) for 'auto' on this machine: no speedup is expected")
+    if quick:
+        notes.append("quick run: too few batches for the numbers to mean anything")
+    report = {
+        "setup": dict(spec, upsample=dataset.upsample, out=dataset.out, sample_ms_in_process=sample_ms,
+                      auto_workers=auto, cpu_parallelism=parallelism, load_average=os.getloadavg(), torch=torch.__version__, quick=quick),
+        "results": results,
+        "runs": runs,
+        "speedup": speedup,
+        "target": {"name": "speedup", "value": speedup, "min": TARGET_SPEEDUP, "met": met},
+        "notes": notes,
+    }
+    out_dir = Path(out_dir)
+    (out_dir / "dataloader.json").write_text(json.dumps(report, indent=2))
+    _plot(results, out_dir / "dataloader.png")
+    return report
