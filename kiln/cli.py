@@ -43,6 +43,8 @@ examples:
   kiln train configs/digits_vit.py
   kiln train configs/digits_vit.py train.max_steps=200 data.batch_size=128 optim.name=lamb
   kiln train configs/digits_mlp.yaml train.seed=1 train.output_dir=/tmp/runs
+  kiln train configs/digits_vit.py train.checkpoint_every=100
+  kiln train --resume runs/digits_vit-20260101-120000      continue after a crash or kill
 """
 
 _PLAN_HELP = """\
@@ -67,9 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         "train", help="train from a config", description=_TRAIN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("config", metavar="CONFIG", help="config file: .py (LazyCall) or .yaml")
+    train.add_argument("config", metavar="CONFIG", nargs="?", help="config file: .py (LazyCall) or .yaml")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides, e.g. train.max_steps=100 optim.lr=3e-3")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue RUN_DIR from its newest checkpoint, in place (appends to metrics.csv); "
+                       "overrides may only change how long it runs, e.g. train.max_steps=2000")
     train.set_defaults(func=_cmd_train)
 
     bench = sub.add_parser(
@@ -111,8 +116,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from kiln.config import load_config
     from kiln.train import train
 
-    cfg = load_config(args.config, args.overrides)
-    result = train(cfg, name=_run_name(Path(args.config)))
+    if args.resume:
+        if args.config is not None and "=" not in args.config:
+            raise _UsageError("give either CONFIG or --resume RUN_DIR, not both")
+        overrides = ([args.config] if args.config else []) + args.overrides
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        result = train(cfg, resume=run_dir)
+    elif args.config is None:
+        raise _UsageError("kiln train needs a CONFIG file or --resume RUN_DIR (see kiln train --help)")
+    else:
+        cfg = load_config(args.config, args.overrides)
+        result = train(cfg, name=_run_name(Path(args.config)))
     return 0 if result.summary.get("status") == "completed" else 1
 
 
@@ -146,10 +163,11 @@ class _UsageError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from kiln.config import ConfigError
+    from kiln.train._checkpoint import CheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, _UsageError) as exc:
+    except (ConfigError, CheckpointError, _UsageError) as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 from kiln.config._lazy import locate
 from kiln.config._schema import NAMESPACES
-from kiln.config._types import ConfigError, coerce, type_name
+from kiln.config._types import ConfigError, coerce, coerce_dataclass, type_name
 
 
 def _suggest(word: str, options: Iterable[str], prefix: str = "") -> str:
@@ -118,20 +118,6 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_dataclass_keys(values: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
-    """Coerce ``values`` to the fields of dataclass ``cls``; unknown keys are errors."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    out = {}
-    for key, value in values.items():
-        if key not in hints:
-            raise ConfigError(
-                f"unknown key {where}.{key}" + _suggest(key, names, f"{where}.") + f" (valid keys: {', '.join(names)})"
-            )
-        out[key] = coerce(value, hints[key], f"{where}.{key}")
-    return out
-
-
 def _check_signature(values: dict[str, Any], fn: Any, where: str, skip: tuple[str, ...] = ()) -> None:
     """Check ``values`` against the keyword arguments of ``fn`` (a callable or a Signature):
     unknown keys are errors, and annotated arguments get their type checked."""
@@ -183,7 +169,7 @@ def _validate_model(node: Any) -> dict[str, Any]:
             raise ConfigError(f"unknown model {name!r} in model.name" + _suggest(name, list_models(), "") + f" (registered: {', '.join(list_models())})")
         options = {k: v for k, v in node.items() if k not in ("_target_", "name")}
         cls = model_config_class(name)
-        checked = _check_dataclass_keys(options, cls, "model")
+        checked = {k: v for k, v in coerce_dataclass(options, cls, "model").items() if k in options}
         # Build the model's config now, so its own checks (e.g. dim divisible by heads) run early.
         try:
             resolved = cls(**checked)
@@ -230,6 +216,24 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
             f"data.batch_size={data['batch_size']} is not divisible by train.accumulate={train['accumulate']}; "
             "choose a batch size that is a multiple of the accumulation steps"
         )
+    stopping = train["early_stopping"]
+    if stopping is not None:
+        if not train["eval_every"]:
+            raise ConfigError("train.early_stopping needs evaluations: set train.eval_every=N (steps between them)")
+        allowed = ("eval_loss", "eval_accuracy")
+        if stopping["metric"] not in allowed:
+            raise ConfigError(f"train.early_stopping.metric={stopping['metric']!r} is not an eval metric"
+                              + _suggest(stopping["metric"], allowed, "") + f" (choose from {', '.join(allowed)})")
+        if stopping["patience"] < 1:
+            raise ConfigError(f"train.early_stopping.patience={stopping['patience']} must be at least 1")
+    if "tensorboard" in train["loggers"]:
+        from kiln.train._callbacks import tensorboard_available
+
+        if not tensorboard_available():
+            raise ConfigError("train.loggers includes tensorboard, but the tensorboard package is not installed; "
+                              "pip install 'kiln[tensorboard]' or remove it from train.loggers")
+    if train["keep_checkpoints"] < 1:
+        raise ConfigError(f"train.keep_checkpoints={train['keep_checkpoints']} must be at least 1")
     if cfg["optim"]["lr"] <= 0:
         raise ConfigError(f"optim.lr={cfg['optim']['lr']} must be positive")
     dp = cfg["parallel"]["dp"]
@@ -249,9 +253,7 @@ def validate(tree: dict[str, Any]) -> dict[str, Any]:
         given = tree.get(name) or {}
         if not isinstance(given, dict):
             raise ConfigError(f"namespace {name!r} must be a mapping of keys, got {given!r}")
-        merged = dataclasses.asdict(cls())
-        merged.update(_check_dataclass_keys(given, cls, name))
-        out[name] = merged
+        out[name] = coerce_dataclass(given, cls, name)
     _validate_data(out["data"])
     _validate_cross(out)
     return out

@@ -40,6 +40,14 @@ class OptimConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    metric: str = "eval_loss"  # eval_loss or eval_accuracy
+    mode: Literal["min", "max"] = "min"  # min for losses, max for accuracies
+    patience: int = 5  # evaluations without improvement before stopping
+    min_delta: float = 0.0  # smaller changes do not count as improvement
+
+
+@dataclass
 class TrainConfig:
     max_steps: Optional[int] = None  # optimizer steps to run; None: use train.epochs
     epochs: Optional[int] = None  # passes over the training set (when max_steps is None)
@@ -60,6 +68,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (inductor C++ on CPU, Triton on GPU)
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
+    keep_checkpoints: int = 3  # periodic checkpoints kept (final.pt and best.pt always are)
+    loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])  # csv always on
+    early_stopping: Optional[EarlyStoppingConfig] = None  # e.g. {metric: eval_accuracy, mode: max}
 
 
 @dataclass

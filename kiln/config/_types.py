@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Literal, Union
@@ -35,12 +37,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     tuple), or raise ConfigError naming ``key`` and the expected type."""
     if tp is Any or tp is typing.Any:
         return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return coerce_dataclass(value, tp, key)
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) is type(_match(value, tp)):
             return value
-        import difflib
-
         options = [str(a) for a in typing.get_args(tp)]
         close = difflib.get_close_matches(str(value), options, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -87,6 +89,23 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(
         f"{key}={value!r} has the wrong type ({type(value).__name__}); expected {type_name(tp)}"
     )
+
+
+def coerce_dataclass(value: Any, cls: type, key: str) -> dict[str, Any]:
+    """A dict of ``cls``'s fields: defaults, updated with ``value``'s keys after checking each
+    key exists and each value has the field's type."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={value!r} must be a group of keys ({', '.join(f.name for f in dataclasses.fields(cls))})")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = dataclasses.asdict(cls())
+    for name, item in value.items():
+        if name not in hints:
+            close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+            hint = f"; did you mean {key}.{close[0]}?" if close else ""
+            raise ConfigError(f"unknown key {key}.{name}{hint} (valid keys: {', '.join(names)})")
+        out[name] = coerce(item, hints[name], f"{key}.{name}")
+    return out
 
 
 def _match(value: Any, literal: Any) -> Any:

@@ -21,8 +21,9 @@ class Progress:
     the first and last step), ``none``, or ``auto`` (bar when stdout is a terminal).
     """
 
-    def __init__(self, total: int, mode: str = "auto", interval: float = 2.0, stream: Any = None):
-        self.total = total
+    def __init__(self, total: int, mode: str = "auto", interval: float = 2.0, stream: Any = None,
+                 initial: int = 0):
+        self.total, self.initial = total, initial
         self.stream = stream or sys.stdout
         if mode == "auto":
             mode = "bar" if self.stream.isatty() else "plain"
@@ -40,7 +41,7 @@ class Progress:
                 TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
                 transient=False,
             )
-            self._task = self._bar.add_task("train", total=total, info="")
+            self._task = self._bar.add_task("train", total=total, completed=initial, info="")
             self._bar.start()
 
     def update(self, step: int, **fields: Any) -> None:
@@ -49,9 +50,9 @@ class Progress:
             self._bar.update(self._task, completed=step, info=info)
         elif self.mode == "plain":
             now = time.perf_counter()
-            if now - self._last_line >= self.interval or step >= self.total or step <= 1:
+            if now - self._last_line >= self.interval or step >= self.total or step <= self.initial + 1:
                 elapsed = now - self._start
-                eta = elapsed / max(step, 1) * (self.total - step)
+                eta = elapsed / max(step - self.initial, 1) * (self.total - step)
                 print(f"step {step}/{self.total}  {info}  eta {_fmt_seconds(eta)}", file=self.stream, flush=True)
                 self._last_line = now
 

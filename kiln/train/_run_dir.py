@@ -69,7 +69,36 @@ class RunDir:
             return run
         raise RuntimeError(f"could not create a new run directory under {root}")
 
+    @classmethod
+    def open(cls, path: Path) -> "RunDir":
+        """An existing run directory, to continue (``kiln train --resume``)."""
+        run = cls(path)
+        summary = path / SUMMARY
+        if summary.exists():
+            run.summary = json.loads(summary.read_text())
+        run.checkpoints.mkdir(exist_ok=True)
+        return run
+
     # ------------------------------------------------------------------ metrics
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop rows logged after ``after_step`` (a resumed run logs those steps again)."""
+        path = self.path / METRICS
+        if not path.exists():
+            return
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames, [r for r in reader if int(r["step"]) <= after_step]
+        def write(f: Any) -> None:
+            import io
+
+            text = io.StringIO()
+            writer = csv.DictWriter(text, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+            f.write(text.getvalue().encode())
+
+        atomic_write_bytes(path, write)
 
     def open_metrics(self, fields: list[str]) -> None:
         path = self.path / METRICS

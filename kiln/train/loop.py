@@ -43,6 +43,8 @@ from kiln.train._build import (
     pick_device,
     seed_everything,
 )
+from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
+from kiln.train._checkpoint import config_mismatch, latest, prune, rng_state, set_rng_state
 from kiln.train._plot import plot_loss
 from kiln.train._progress import Progress
 from kiln.train._run_dir import CONFIG, RunDir
@@ -69,14 +71,18 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.T
     return kiln.optim.clip_grad_norm_(optimizer, max_norm)
 
 
-def train(cfg: Any, *, name: str = "run") -> RunResult:
-    """Train as ``cfg`` (a validated config from ``kiln.config.load_config``) says."""
+def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> RunResult:
+    """Train as ``cfg`` (a validated config from ``kiln.config.load_config``) says.
+
+    ``resume=RUN_DIR`` continues that run from its newest checkpoint, in the same directory.
+    """
     wall_start = time.perf_counter()
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
     device = pick_device(tc.device)
     seed_everything(tc.seed)
+    resumed = _checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
 
     # ---- build everything before touching the disk --------------------------------------
     precision = Precision(tc.precision, device)
@@ -87,6 +93,7 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
 
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
     optimizer = build_optimizer(cfg.optim, model)  # after .to(): the arena lives on the device
+    plain_model = model
     if tc.compile:
         from kiln.compile import apply_compile
 
@@ -101,35 +108,74 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
         )
     total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * steps_per_epoch
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
-    n_params = sum(p.numel() for p in model.parameters())
+    stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
+    best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best.pt
+    n_params = sum(p.numel() for p in plain_model.parameters())
+
+    # ---- state: fresh, or exactly where the checkpoint left off ---------------------------
+    start_step, epoch, position = 0, 0, 0  # resume point: step done, epoch, batches into it
+    window_loss = torch.zeros((), device=device)  # sum of step losses since the last log
+    window_steps, train_seconds, samples_seen, elapsed_before = 0, 0.0, 0, 0.0
+    if resumed is not None:
+        ckpt = resumed[1]
+        plain_model.load_state_dict(ckpt["model"])  # copies into the arena; never assign=True
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        precision.load_state_dict(ckpt["precision"])
+        if best is not None and ckpt.get("best"):
+            best.load_state_dict(ckpt["best"])
+        start_step, epoch, position = ckpt["step"], ckpt["data"]["epoch"], ckpt["data"]["position"]
+        window_loss += ckpt["window"]["loss"].to(device)
+        window_steps = ckpt["window"]["steps"]
+        train_seconds, samples_seen = ckpt["totals"]["train_seconds"], ckpt["totals"]["samples_seen"]
+        elapsed_before = ckpt["totals"]["wall_seconds"]
+    batches = _Batches(data.train, epoch, position)  # replays the skipped part of the epoch
+    if resumed is not None:
+        set_rng_state(resumed[1]["rng"])  # after the replay, which may have drawn random numbers
 
     # ---- the run directory ---------------------------------------------------------------
-    run = RunDir.create(tc.output_dir, tc.run_name or name)
-    save_config(cfg, run.path / CONFIG)
-    run.write_summary(
-        status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
-        kiln_version=kiln.__version__, torch_version=torch.__version__, device=str(device),
-        parameters=n_params, total_steps=total_steps,
-    )
+    if resumed is None:
+        run = RunDir.create(tc.output_dir, tc.run_name or name)
+        save_config(cfg, run.path / CONFIG)
+        run.write_summary(
+            status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
+            kiln_version=kiln.__version__, torch_version=torch.__version__, device=str(device),
+            parameters=n_params, total_steps=total_steps,
+        )
+    else:
+        run = RunDir.open(Path(resume))
+        run.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
+        save_config(cfg, run.path / CONFIG)  # may extend max_steps
+        run.write_summary(status="running", total_steps=total_steps,
+                          resumed=[*run.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
     evals = [f"eval_{m}" for m in metric_names(data.task)]
     run.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                       "samples_per_second", "peak_memory_mb", "wall_seconds", *evals])
-    progress = Progress(total_steps, mode=tc.progress)
-    progress.message(f"kiln: {n_params:,} parameters on {device}, {total_steps} steps -> {run.path}")
+    loggers = [TensorBoardLogger(run.path / "tensorboard")] if "tensorboard" in tc.loggers else []
+    progress = Progress(total_steps, mode=tc.progress, initial=start_step)
+    progress.message(f"kiln: {n_params:,} parameters on {device}, steps {start_step + 1}..{total_steps} -> {run.path}")
 
-    batches = _forever(data.train)
-    window_loss = torch.zeros((), device=device)  # sum of step losses since the last log
-    window_steps, window_start = 0, time.perf_counter()
-    train_seconds, samples_seen = 0.0, 0
-    last_train_loss, last_eval, grad_norm = float("nan"), {}, None
-    compile_seconds = None
-    epoch = 0
+    def checkpoint(step: int) -> dict[str, Any]:
+        return {
+            "model": plain_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "precision": precision.state_dict(),
+            "best": best.state_dict() if best else None, "step": step,
+            "data": {"epoch": batches.epoch, "position": batches.position}, "rng": rng_state(),
+            "window": {"loss": window_loss.detach().cpu().clone(), "steps": window_steps},
+            "totals": {"train_seconds": train_seconds, "samples_seen": samples_seen,
+                       "wall_seconds": elapsed_before + time.perf_counter() - wall_start},
+            "config": _plain(cfg), "kiln_version": kiln.__version__,
+        }
+
+    window_start = time.perf_counter()
+    last_train_loss, last_eval, grad_norm, compile_seconds = float("nan"), {}, None, None
+    step, stopped = start_step, None
     try:
         model.train()
-        for step in range(1, total_steps + 1):
+        for step in range(start_step + 1, total_steps + 1):
             step_start = time.perf_counter()
             for _ in range(tc.accumulate):
-                epoch, (inputs, targets) = next(batches)
+                _, (inputs, targets) = next(batches)
                 inputs = _to_device(inputs, device, precision.param_dtype)
                 targets = targets.to(device, non_blocking=True)
                 with precision.autocast():
@@ -144,7 +190,7 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
                 scheduler.step()
             optimizer.zero_grad()  # kiln's optimizers: one memset of the flat gradient
-            if tc.compile and step == 1:
+            if tc.compile and step == start_step + 1:
                 compile_seconds = time.perf_counter() - step_start  # reported apart from step time
             window_steps += 1
             samples_seen += cfg.data.batch_size
@@ -154,7 +200,7 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
                 # note: .item() waits for the device; done once per log window, not per step
                 last_train_loss = (window_loss / window_steps).item()
                 elapsed = time.perf_counter() - window_start
-                if compile_seconds is not None and step <= tc.log_every:
+                if compile_seconds is not None and step - start_step <= tc.log_every:
                     elapsed -= compile_seconds  # the compiling first step is not training speed
                 train_seconds += elapsed
                 row.update(
@@ -170,28 +216,46 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
                 with precision.autocast():
                     last_eval = evaluate(data.task, model, data.val, device, precision.param_dtype)
                 row.update({f"eval_{k}": v for k, v in last_eval.items()})
+                # after each evaluation, in this order: best checkpoint, then early stopping
+                if best is not None:
+                    improved, stop = best.update(step, row)
+                    if improved:
+                        run.save_checkpoint("best", checkpoint(step))
+                    if stop and stopper is not None:
+                        stopped = {"step": step, "reason": stopper.reason}
             if row:
-                row.update(step=step, epoch=round(epoch + _epoch_fraction(step, tc.accumulate, len(data.train)), 4),
+                row.update(step=step, epoch=round(batches.epoch + batches.position / len(data.train), 4),
                            peak_memory_mb=peak_memory_mb(device),
-                           wall_seconds=time.perf_counter() - wall_start)
+                           wall_seconds=elapsed_before + time.perf_counter() - wall_start)
                 run.log_metrics(row)
-                progress.update(step, loss=row.get("train_loss"), lr=row.get("lr"),
+                for logger in loggers:
+                    logger.log(step, row)
+                progress.update(step, epoch=batches.epoch, loss=row.get("train_loss"), lr=row.get("lr"),
                                 **{"samples/s": _round(row.get("samples_per_second"))},
                                 **{f"val_{k}": v for k, v in last_eval.items() if "eval_loss" in row})
                 window_start = time.perf_counter()  # evaluation and logging are not training time
+            if stopped:
+                progress.message(f"kiln: early stop at step {step}: {stopped['reason']}")
+                break
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
-                run.save_checkpoint(f"step-{step:08d}", _checkpoint(model, optimizer, scheduler, step, precision))
+                run.save_checkpoint(f"step-{step:08d}", checkpoint(step))
+                prune(run.path, tc.keep_checkpoints)
 
-        run.save_checkpoint("final", _checkpoint(model, optimizer, scheduler, total_steps, precision))
+        if stopped and window_steps:  # the loss of the steps since the last log
+            last_train_loss = (window_loss / window_steps).item()
+        run.save_checkpoint("final", checkpoint(step))
         summary = dict(
-            status="completed", steps=total_steps,
-            epochs=round(total_steps * tc.accumulate / len(data.train), 4),
+            status="completed", steps=step,
+            epochs=round(step * tc.accumulate / len(data.train), 4),
             final_train_loss=last_train_loss, eval=last_eval,
             samples_per_second=samples_seen / max(train_seconds, 1e-9),
             peak_memory_mb=peak_memory_mb(device),
-            wall_seconds=time.perf_counter() - wall_start,
+            wall_seconds=elapsed_before + time.perf_counter() - wall_start,
             compile_seconds=compile_seconds,
             skipped_steps=precision.scaler.skipped_steps if precision.scaler else 0,
+            stopped_early=bool(stopped),
+            **({"stopped_at_step": stopped["step"], "stop_reason": stopped["reason"]} if stopped else {}),
+            **({"best": {"metric": best.metric, "value": best.best, "step": best.best_step}} if best else {}),
             finished_at=_dt.datetime.now().isoformat(timespec="seconds"),
         )
         run.close()
@@ -206,30 +270,66 @@ def train(cfg: Any, *, name: str = "run") -> RunResult:
         return RunResult(run.path, run.summary)
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        run.write_summary(status=status, error=f"{type(exc).__name__}: {exc}",
-                          traceback=traceback.format_exc(), wall_seconds=time.perf_counter() - wall_start)
+        run.write_summary(status=status, error=f"{type(exc).__name__}: {exc}", failed_at_step=step,
+                          traceback=traceback.format_exc(),
+                          wall_seconds=elapsed_before + time.perf_counter() - wall_start)
         raise
     finally:
         progress.close()
         run.close()
+        for logger in loggers:
+            logger.close()
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    # torch.compile wraps the model; checkpoints hold the plain model's keys.
-    return getattr(model, "_orig_mod", model)
+def _checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to continue ``run_dir`` from, after checking it matches ``cfg``."""
+    from kiln.config import ConfigError
+
+    path, ckpt = latest(run_dir)
+    mismatch = config_mismatch(ckpt.get("config") or {}, _plain(cfg))
+    if mismatch:
+        raise ConfigError(
+            f"{run_dir}/config.yaml does not match checkpoint {path.name}: " + "; ".join(mismatch)
+            + ". Resume with the config the checkpoint was trained with, or start a new run"
+        )
+    return path, ckpt
 
 
-def _forever(loader: Any):
-    """Yield ``(epoch, batch)`` across epochs without end."""
-    epoch = 0
-    while True:
-        for batch in loader:
-            yield epoch, batch
-        epoch += 1
+def _plain(cfg: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
-def _epoch_fraction(step: int, accumulate: int, batches_per_epoch: int) -> float:
-    return (step * accumulate % batches_per_epoch) / batches_per_epoch
+class _Batches:
+    """``next()`` gives ``(epoch, micro_batch)`` forever. Built at ``(epoch, position)`` it
+    replays the first ``position`` batches of that epoch, so a resumed run sees exactly the
+    batches an uninterrupted one would (the order depends only on the seed and the epoch)."""
+
+    def __init__(self, loader: Any, epoch: int = 0, position: int = 0):
+        self.loader = loader
+        if position >= len(loader):  # saved at the very end of an epoch
+            epoch, position = epoch + 1, 0
+        self.epoch, self.position = epoch, 0
+        self._it = self._start()
+        for _ in range(position):
+            next(self)
+
+    def _start(self) -> Any:
+        set_epoch = getattr(self.loader, "set_epoch", None) or getattr(self.loader.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        return iter(self.loader)
+
+    def __next__(self) -> tuple[int, Any]:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._it = self._start()
+            batch = next(self._it)
+        self.position += 1
+        return self.epoch, batch
 
 
 def _round(x: Any) -> Any:
@@ -239,15 +339,3 @@ def _round(x: Any) -> Any:
 def _to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # Floating inputs follow the parameters' dtype (fp64 runs); token ids stay integers.
     return x.to(device, dtype=dtype if x.is_floating_point() else None, non_blocking=True)
-
-
-def _checkpoint(model: torch.nn.Module, optimizer: Any, scheduler: Any, step: int,
-                precision: Precision) -> dict[str, Any]:
-    return {
-        "model": _unwrapped(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "precision": precision.state_dict(),
-        "step": step,
-        "kiln_version": kiln.__version__,
-    }

@@ -1,0 +1,147 @@
+"""Run lifecycle: exact resume after a real kill -9, damaged checkpoints, config mismatch,
+checkpoint retention, early stopping, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.train import load_checkpoint, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+VIT = str(ROOT / "configs" / "digits_vit.py")
+
+
+def _only_run(folder: Path) -> Path:
+    (run,) = folder.iterdir()
+    return run
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
+    # dropout on, so the torch RNG state matters; 23 batches per epoch, so the kill lands mid-epoch
+    args = [VIT, "model.depth=1", "model.dropout=0.1", "train.max_steps=300", "train.checkpoint_every=20",
+            "train.log_every=10", "train.eval_every=50", "train.keep_checkpoints=2"]
+    whole_dir, killed_dir = tmp_path / "whole", tmp_path / "killed"
+    assert main(["train", *args, f"train.output_dir={whole_dir}"]) == 0
+
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "train", *args, f"train.output_dir={killed_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(killed_dir.glob("*/checkpoints/step-00000040.pt")):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run = _only_run(killed_dir)
+    assert _summary(run)["status"] == "running"  # killed mid-run: nothing marked it complete
+    assert not (run / "checkpoints" / "final.pt").exists()
+
+    assert main(["train", "--resume", str(run)]) == 0
+    whole = _only_run(whole_dir)
+    a, b = _summary(whole), _summary(run)
+    assert b["status"] == "completed" and b["steps"] == 300
+    assert a["final_train_loss"] == b["final_train_loss"]
+    assert a["eval"] == b["eval"]
+    wa = load_checkpoint(whole / "checkpoints" / "final.pt")
+    wb = load_checkpoint(run / "checkpoints" / "final.pt")
+    assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"])
+    for key, state in wa["optimizer"]["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(wb["optimizer"]["state"][key][n]))
+                   for n, v in state.items())
+    # metrics.csv continues without duplicated or missing steps
+    steps = [int(r["step"]) for r in read_metrics(run)]
+    assert steps == sorted(set(steps)) and steps == [int(r["step"]) for r in read_metrics(whole)]
+    assert len(b["resumed"]) == 1
+
+
+def _short_run(tmp_path: Path, *extra: str) -> Path:
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=20",
+                 "train.checkpoint_every=5", *extra]) == 0
+    return _only_run(tmp_path)
+
+
+def test_truncated_checkpoint_names_the_file_and_the_last_good_one(tmp_path, capsys):
+    run = _short_run(tmp_path)
+    (run / "checkpoints" / "final.pt").unlink()  # as if killed before the final save
+    newest = run / "checkpoints" / "step-00000015.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "step-00000015.pt" in err and "truncated or corrupt" in err and "step-00000010.pt" in err
+    assert "Traceback" not in err
+    assert (run / "checkpoints" / "step-00000010.pt").exists()  # nothing was deleted
+
+
+def test_resume_refuses_a_config_that_does_not_match_the_checkpoint(tmp_path, capsys):
+    run = _short_run(tmp_path)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("lr: 0.003", "lr: 0.1"))
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr" in err and "0.003" in err and "0.1" in err
+
+
+def test_resume_can_extend_a_finished_run(tmp_path):
+    run = _short_run(tmp_path)
+    assert main(["train", "--resume", str(run), "train.max_steps=30"]) == 0
+    assert _summary(run)["steps"] == 30
+    assert [int(r["step"]) for r in read_metrics(run)][-1] == 30
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    run = _short_run(tmp_path, "train.keep_checkpoints=2", "train.max_steps=30")
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["best.pt", "final.pt", "step-00000020.pt", "step-00000025.pt"]
+    assert load_checkpoint(run / "checkpoints" / "step-00000025.pt")["step"] == 25
+
+
+def test_early_stopping_stops_records_why_and_keeps_the_best(tmp_path):
+    # min_delta=10: no evaluation can improve the loss by that much, so patience runs out
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=100", "train.eval_every=5",
+                 "train.early_stopping.patience=2", "train.early_stopping.min_delta=10"]) == 0
+    run = _only_run(tmp_path)
+    summary = _summary(run)
+    assert summary["stopped_early"] is True and summary["stopped_at_step"] == 15 and summary["steps"] == 15
+    assert "eval_loss" in summary["stop_reason"] and "2 evaluations" in summary["stop_reason"]
+    assert summary["best"]["step"] == 5
+    assert load_checkpoint(run / "checkpoints" / "best.pt")["step"] == 5
+    assert load_checkpoint(run / "checkpoints" / "final.pt")["step"] == 15
+
+
+def test_early_stopping_on_accuracy_tracks_the_maximum(tmp_path):
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=60", "train.eval_every=10",
+                 "train.early_stopping.metric=eval_accuracy", "train.early_stopping.mode=max",
+                 "train.early_stopping.patience=100"]) == 0
+    run = _only_run(tmp_path)
+    accs = [float(r["eval_accuracy"]) for r in read_metrics(run) if r["eval_accuracy"]]
+    summary = _summary(run)
+    assert summary["stopped_early"] is False
+    assert summary["best"]["value"] == pytest.approx(max(accs), abs=1e-6)
+
+
+def test_early_stopping_without_evaluations_is_a_config_error(tmp_path, capsys):
+    assert main(["train", MLP, "train.eval_every=0", "train.early_stopping.patience=2"]) == 2
+    assert "train.eval_every" in capsys.readouterr().err
+
+
+def test_tensorboard_logger_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=10", "train.log_every=5",
+                 "train.loggers=[csv,tensorboard]"]) == 0
+    events = list((_only_run(tmp_path) / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
