@@ -17,6 +17,12 @@ writing 5 to ``/proc/self/clear_refs``; where that is not allowed it falls back 
 child sets ``MALLOC_MMAP_THRESHOLD_`` so glibc returns freed tensors to the OS and the
 resident set follows live memory. On GPU it uses ``torch.cuda.max_memory_allocated``.
 
+Step time is measured separately, in this process, on one model whose checkpointing and
+precision are switched between steps (``apply_ac`` can be re-applied at any time), in
+interleaved rounds: on a shared machine the load drifts over the minutes the subprocesses
+take, and only times taken side by side compare fairly. (Each child's own median step time
+is kept in the JSON as ``child_step_ms``.)
+
     python -m kiln bench memory        # or run(Path("out"), quick=True)
 """
 
@@ -34,7 +40,8 @@ __all__ = ["run"]
 
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16-mixed")
-FULL = dict(depth=12, hidden=256, ffn=1024, heads=8, seq=256, batch=16, steps=5, dropout=0.0)
+# dropout 0, as in most large-model pretraining; with dropout the recompute also redraws the masks.
+FULL = dict(depth=12, hidden=256, ffn=1024, heads=8, seq=256, batch=16, steps=3, dropout=0.0)
 QUICK = dict(depth=4, hidden=128, ffn=512, heads=8, seq=128, batch=8, steps=2, dropout=0.0)
 
 
@@ -122,8 +129,36 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "ac": spec["ac"], "precision": spec["precision"],
         "activation_mb": (peak - baseline) / 2**20,
         "peak_mb": peak / 2**20, "baseline_mb": baseline / 2**20, "static_mb": static_bytes / 2**20,
-        "step_ms": 1e3 * steady[len(steady) // 2], "peak_source": peak_source, "device": device.type,
+        "child_step_ms": 1e3 * steady[len(steady) // 2], "peak_source": peak_source, "device": device.type,
     }
+
+
+def _time_interleaved(sizes: dict[str, Any], grid: list[tuple[str, str]], rounds: int) -> dict[tuple[str, str], float]:
+    """Median step time (ms) of each (ac, precision), one step of each in turn per round."""
+    import torch
+
+    from kiln.memory import apply_ac
+    from kiln.models.encoder import EncoderLayerConfig, EncoderStack
+
+    torch.manual_seed(0)
+    cfg = EncoderLayerConfig(hidden=sizes["hidden"], ffn=sizes["ffn"], heads=sizes["heads"], dropout=sizes["dropout"])
+    model = EncoderStack(cfg, depth=sizes["depth"], out_features=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(sizes["batch"], sizes["seq"], sizes["hidden"])  # (B, T, C)
+    target = torch.randn(sizes["batch"], 1)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in grid}
+    for r in range(rounds + 1):  # round 0 warms up every configuration
+        for ac, precision in grid:
+            apply_ac(model, ac, every=2)
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                out = model(x)  # (B, 1)
+            torch.nn.functional.mse_loss(out.float(), target).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            if r:
+                times[(ac, precision)].append(time.perf_counter() - start)
+    return {key: 1e3 * sorted(v)[len(v) // 2] for key, v in times.items()}
 
 
 def _spawn(spec: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +203,9 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
     # The smoke run measures the two ends only; each child costs a torch import.
     grid = [(ac, "fp32") for ac in ("none", "full")] if quick else [(ac, p) for p in PRECISIONS for ac in AC_MODES]
     rows = [_spawn({**sizes, "ac": ac, "precision": precision}) for ac, precision in grid]
+    step_ms = _time_interleaved(sizes, grid, rounds=sizes["steps"])
+    for r in rows:
+        r["step_ms"] = step_ms[(r["ac"], r["precision"])]
 
     by_key = {(r["ac"], r["precision"]): r for r in rows}
     for r in rows:
