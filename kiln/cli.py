@@ -1,4 +1,4 @@
-"""The ``kiln`` command: train | bench | plan.
+"""The ``kiln`` command: train | bench | plan | report.
 
 Errors in what the user typed (config, overrides, paths) print one clear line and exit with
 status 2, with no Python traceback; bugs still show their traceback.
@@ -22,6 +22,7 @@ examples:
   kiln train configs/digits_vit.py train.max_steps=100 optim.lr=1e-3
   kiln train runs/digits_vit-20260101-120000/config.yaml  rerun a saved experiment
   kiln plan configs/digits_vit.py                       what a config will build, without training
+  kiln report runs/A runs/B                             compare runs: curves and a summary table
   kiln bench optimizer                                  measure kiln against plain PyTorch
 """
 
@@ -97,6 +98,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("config", metavar="CONFIG", help="config file: .py or .yaml")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     plan.set_defaults(func=_cmd_plan)
+
+    report = sub.add_parser(
+        "report", help="compare runs: curves in one picture, summaries in one table",
+        description="Plot the train loss, eval loss and eval accuracy of several runs in one "
+        "picture and print a table of their summaries.\n\nexample:\n"
+        "  kiln report runs/digits_vit-20260101-120000 runs/digits_vit-20260101-130000 --out cmp.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    report.add_argument("--out", metavar="PNG", default="report.png", help="picture to write (default: report.png)")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 
@@ -153,6 +165,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     print(describe(cfg))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kiln.train._report import check_runs, plot, table
+
+    try:
+        runs = check_runs(args.runs)
+    except FileNotFoundError as exc:
+        raise _UsageError(str(exc)) from None
+    print(table(runs))
+    print(f"curves: {plot(runs, Path(args.out))}")
     return 0
 
 

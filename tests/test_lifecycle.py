@@ -145,3 +145,22 @@ def test_tensorboard_logger_writes_events(tmp_path):
                  "train.loggers=[csv,tensorboard]"]) == 0
     events = list((_only_run(tmp_path) / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_report_compares_runs_in_one_picture_and_table(tmp_path, capsys):
+    for seed in (0, 1):
+        assert main(["train", MLP, f"train.output_dir={tmp_path / 'runs'}", "train.max_steps=10",
+                     f"train.seed={seed}", "train.log_every=5", "train.eval_every=5"]) == 0
+    capsys.readouterr()
+    runs = sorted(str(p) for p in (tmp_path / "runs").iterdir())
+    out = tmp_path / "cmp.png"
+    assert main(["report", *runs, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["run", "status", "steps"]
+    for run in runs:
+        summary = _summary(Path(run))
+        line = next(l for l in lines if l.startswith(Path(run).name))
+        assert f"{summary['final_train_loss']:.4g}" in line and "completed" in line
+    assert out.stat().st_size > 10_000  # a real picture
+    assert main(["report", str(tmp_path)]) == 2  # not a run directory
