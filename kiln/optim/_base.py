@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from kiln.optim._arena import Arena
 from kiln.optim._rules import TensorList
@@ -56,6 +57,10 @@ def _kernel(fn: Callable, compiled: bool | None) -> Callable:
     return _COMPILED[key]
 
 
+def _hooked_step(opt: "ArenaOptimizer", closure: Callable[[], Any] | None) -> Any:
+    return Optimizer.profile_hook_step(type(opt)._step)(opt, closure)
+
+
 def _flag_hook(flags: bytearray, slot: int) -> Callable[[torch.Tensor], None]:
     # Holds the flags, not the optimizer, so a dropped optimizer is not kept alive by its hooks.
     def hook(_param: torch.Tensor) -> None:
@@ -76,7 +81,8 @@ class _Pack:
         self.state: dict[str, torch.Tensor] = {}          # name -> (N,) flat state
         self.sviews: dict[str, list[torch.Tensor]] = {}   # name -> per-param views
         self.step_vec = torch.zeros(len(params), dtype=torch.float32)  # CPU, like torch's 'step'
-        self.uniform = True      # all entries of step_vec equal
+        self.uniform = True      # all entries of step_vec equal ...
+        self.step = 0            # ... to this Python int (no tensor read per step)
         self.init = [False] * len(params)
         self.n_init = 0
         self.all_ones = b"\x01" * len(params)
@@ -85,6 +91,12 @@ class _Pack:
         self.scratch: torch.Tensor | None = None
         self.scratch_views: list[torch.Tensor] = []
         self.is1d = [len(s) <= 1 for s in arena.shapes]
+        self.cache: dict[Any, Any] = {}  # per-optimizer constants of this arena (e.g. LARS masks)
+
+    def set_uniform(self) -> None:
+        steps = self.step_vec.tolist()
+        self.uniform = not steps or all(s == steps[0] for s in steps)
+        self.step = int(steps[0]) if steps else 0
 
 
 class ArenaOptimizer(Optimizer):
@@ -268,35 +280,50 @@ class ArenaOptimizer(Optimizer):
         if set_to_none:
             self._flags[:] = bytes(len(self._flags))
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        # torch.optim wraps every Optimizer subclass's step in profile_hook_step (a
+        # record_function and two hook chains, ~10 us); this step has the attribute that
+        # stops the wrapping and takes torch's wrapped path only when a profiler runs or a
+        # step hook is registered, so hooks and profiles behave exactly as with torch.optim.
+        if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_optimizer_pre_hooks
+                or _global_optimizer_post_hooks or torch.autograd._profiler_enabled()):
+            return _hooked_step(self, closure)
+        return self._step(closure)
+
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.contiguous:
-            self._step_lists()
-            return loss
+        with torch.no_grad():
+            if not self.contiguous:
+                self._step_lists()
+            else:
+                self._step_arena()
+        return loss
+
+    def _step_arena(self) -> None:
         self._sync(check_fresh=True)
         flags = self._flags
         for pack in self._packs:
-            group = self.param_groups[pack.group]
             recv = flags[pack.s0:pack.s1]
             if pack.uniform and recv == pack.all_ones:
                 # the common case: one update over the whole flat buffer
+                group = self.param_groups[pack.group]
                 self._ensure_state(pack, group)
-                self._update_flat(pack, group, 0, len(pack.params), int(pack.step_vec[0]) + 1)
+                self._update_flat(pack, group, 0, len(pack.params), pack.step + 1)
+                pack.step += 1
                 pack.step_vec.add_(1)
                 if pack.n_init < len(pack.params):
                     self._init_entries(pack, group, range(len(pack.params)))
-                continue
-            done = self._step_runs(pack, group, recv)
-            if done:
-                self._init_entries(pack, group, done)
-        flags[-1] = 0
-        for pack in self._packs:
+            else:
+                done = self._step_runs(pack, self.param_groups[pack.group], recv)
+                if done:
+                    self._init_entries(pack, self.param_groups[pack.group], done)
             pack.grad_version = pack.arena.grad._version
-        return loss
+        flags[-1] = 0
 
     def _step_runs(self, pack: _Pack, group: dict[str, Any], recv: bytes) -> list[int]:
         """Update only parameters that received a gradient, in runs of consecutive segments
@@ -319,7 +346,7 @@ class ArenaOptimizer(Optimizer):
             i = j
         idx = torch.tensor(received, dtype=torch.int64)
         pack.step_vec[idx] += 1
-        pack.uniform = bool((pack.step_vec == pack.step_vec[0]).all()) if n else True
+        pack.set_uniform()
         return received
 
     def _ensure_state(self, pack: _Pack, group: dict[str, Any]) -> None:
@@ -381,7 +408,7 @@ class ArenaOptimizer(Optimizer):
                     pack.step_vec[i] = float(st["step"]) if "step" in st else 1.0
                     self.state[p] = {}
                     self._init_entries(pack, group, [i])
-                pack.uniform = bool((pack.step_vec == pack.step_vec[0]).all()) if pack.params else True
+                pack.set_uniform()
 
     # -- multi-tensor mode (contiguous=False) ---------------------------------------------
     def _step_lists(self) -> None:
@@ -393,17 +420,18 @@ class ArenaOptimizer(Optimizer):
                 st = self.state[p]
                 if not st:
                     self._init_list_state(p, st, group)
-                buckets.setdefault((p.device, p.dtype, self._list_step(st)), []).append(p)
-            for (_, _, step), ps in buckets.items():
-                self._update_list(group, ps, step + 1)
-                self._advance_list(ps)
+                buckets.setdefault((p.device, p.dtype, self._list_key(p, st)), []).append(p)
+            for (_, _, key), ps in buckets.items():
+                self._update_list(group, ps, key)
 
     def _init_list_state(self, p: torch.Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
         st["step"] = torch.tensor(0.0)
         for name in self._state_names(group):
             st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _list_step(self, st: dict[str, Any]) -> int:
+    def _list_key(self, p: torch.Tensor, st: dict[str, Any]) -> Any:
+        """What the tensors of one multi-tensor update must share besides device and dtype:
+        by default the step count (one bias correction for the whole list)."""
         return int(st["step"])
 
     def _advance_list(self, ps: list[torch.Tensor]) -> None:
