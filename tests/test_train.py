@@ -157,3 +157,29 @@ def test_import_kiln_stays_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _final(run: Path) -> dict:
+    return load_checkpoint(run / "checkpoints" / "final.pt")["model"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_switch_trains_bitwise_identically(tmp_path, mode):
+    common = (VIT, "model.depth=3", "model.dropout=0.1", "train.max_steps=5")
+    plain = _final(_train(tmp_path / "a", *common))
+    checkpointed = _final(_train(tmp_path / "b", *common, f"train.activation_checkpointing={mode}",
+                                 "train.ac_every=2"))
+    assert plain.keys() == checkpointed.keys()
+    assert all(torch.equal(plain[k], checkpointed[k]) for k in plain)
+
+
+@pytest.mark.slow
+def test_compile_switch_matches_eager_and_reports_compile_time(tmp_path):
+    common = (MLP, "train.max_steps=20", "train.log_every=20", "optim.lr=1e-3")
+    eager = _train(tmp_path / "eager", *common)
+    compiled = _train(tmp_path / "compiled", *common, "train.compile=true")
+    e = json.loads((eager / "summary.json").read_text())
+    c = json.loads((compiled / "summary.json").read_text())
+    assert c["compile_seconds"] > 0 and e["compile_seconds"] is None
+    assert c["final_train_loss"] == pytest.approx(e["final_train_loss"], rel=1e-5)
+    assert _final(compiled).keys() == _final(eager).keys()  # checkpoints hold the plain model's keys
