@@ -276,6 +276,63 @@ def test_2_load_state_dict_assign_is_detected():
             train(m, opt, 1, zero=zero)
 
 
+def test_2_step_without_any_new_gradient_raises_but_a_grad_scaler_skip_does_not():
+    # documented deviation from torch: a step that sees no gradient at all since the previous
+    # step is indistinguishable from the load_state_dict(assign=True) case, so it raises
+    m = make_model()
+    opt = ko.AdamW(m.parameters())
+    train(m, opt, 1)
+    with pytest.raises(RuntimeError, match="no new gradient"):
+        opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="no new gradient"):
+        opt.step()
+    # GradScaler: a skipped step (inf gradient) followed by a normal one
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    for t in range(3):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(m(X), Y)).backward()
+        if t == 1:
+            m[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    assert int(opt.state[m[0].weight]["step"]) == 3 and scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize("name,tcls,kcls,kw", TORCH_PAIRS, ids=[t[0] for t in TORCH_PAIRS])
+def test_list_mode_per_tensor_step_counts_and_fallback_rule(name, tcls, kcls, kw):
+    """contiguous=False: torch's fused kernel with per-tensor steps (a parameter misses a step),
+    and the pure rule (devices without fused kernels) on the same lists agree with torch."""
+    models = [make_model() for _ in range(3)]
+    opts = [tcls(models[0].parameters(), foreach=False, **kw),
+            kcls(models[1].parameters(), contiguous=False, **kw),
+            kcls(models[2].parameters(), contiguous=False, **kw)]
+    opts[2]._force_rule = True
+    for t in range(4):
+        for model, o in zip(models, opts):
+            o.zero_grad()
+            h = model[2](model[1](model[0](X)))
+            F.mse_loss(model[3](h) if t != 1 else h[:, :4], Y).backward()
+            o.step()
+    assert max_rel(models[0], models[1]) < 1e-6 and max_rel(models[0], models[2]) < 1e-6
+
+
+def test_step_hooks_and_profiler_still_see_kiln_steps():
+    m = make_model()
+    opt = ko.AdamW(m.parameters())
+    seen = []
+    h1 = opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
+    h2 = opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+    train(m, opt, 2)
+    h1.remove()
+    h2.remove()
+    train(m, opt, 1)
+    assert seen == ["pre", "post", "pre", "post"]
+    with torch.profiler.profile() as prof:
+        train(m, opt, 1)
+    assert any(e.key == "Optimizer.step#AdamW.step" for e in prof.key_averages())
+
+
 def test_2_load_state_dict_without_assign_and_p_data_swap_keep_training():
     m = make_model()
     opt = ko.SGD(m.parameters(), lr=0.1)

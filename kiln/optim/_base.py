@@ -24,6 +24,20 @@ that the arena is still authoritative:
 - a step that finds no new gradient at all since the previous step raises: this is what
   happens when ``load_state_dict(assign=True)`` replaced the model's parameters, which
   would otherwise train nothing, silently.
+
+That last check is a deliberate deviation from torch.optim. "No new gradient" means: no
+post-accumulate-grad hook fired, no gradient was assigned outside the arena, and the flat
+gradient's version counter did not move since the previous step (or ``zero_grad``). After
+``assign=True`` the module holds new Parameter objects that the optimizer cannot see, so
+that signal is the only one left, and it cannot be told apart from ``step(); step()`` with
+no backward in between (torch re-applies the old gradients) or ``zero_grad(); step()``
+(torch does nothing). Both raise here; a training loop never does either. A
+``GradScaler`` step skipped for an inf/NaN gradient never calls ``step()``, and the next
+backward fires the hooks, so it is unaffected (tested).
+
+``step()`` itself skips torch's ``profile_hook_step`` wrapper (a ``record_function`` and two
+hook chains on every call) unless a profiler is running or a step hook is registered, in
+which case it takes exactly torch's path.
 """
 
 from __future__ import annotations
