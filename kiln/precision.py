@@ -7,6 +7,12 @@
   optimizer state stay float32. bf16 has float32's exponent range, so no loss scaling is needed.
 - ``fp16-mixed``: autocast to float16 plus dynamic loss scaling (:class:`LossScaler`): fp16
   gradients underflow without it.
+- ``bf16-true``: parameters, activations and gradients in bfloat16 ("full low precision"),
+  with float32 master weights and optimizer state in the optimizer's arena
+  (:class:`MasterWeights`). Fastest and leanest on hardware with bf16 units; the caveat is
+  accuracy: the forward and backward see weights rounded to 8 bits of mantissa, so a model
+  usually ends a little below its fp32 or bf16-mixed accuracy (the master weights keep small
+  updates from being lost, which pure bf16 training would not).
 - ``fp64``: parameters and inputs in float64, for numerical equivalence checks.
 
 Use it in your own loop::
@@ -27,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-MODES = ("fp32", "bf16-mixed", "fp16-mixed", "fp64")
+MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64")
 
 
 def gradient_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -114,6 +120,74 @@ class LossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
+class MasterWeights:
+    """bf16-true training: the model's parameters become bfloat16 copies packed into bf16
+    arenas laid out exactly like the optimizer's float32 arenas, which stay the master weights.
+
+    Per step: one cast-copy of each flat bf16 gradient into the fp32 master gradient, the
+    optimizer update in fp32, one cast-copy of the fp32 master parameters back into bf16.
+
+        >>> opt = kiln.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> masters = MasterWeights(model, opt)       # model is now bf16
+        >>> model(x.bfloat16()).float().mean().backward()
+        >>> masters.step()                            # grads -> fp32, update, params -> bf16
+        >>> masters.zero_grad()
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype = torch.bfloat16):
+        from kiln.optim import Arena, ArenaOptimizer
+
+        if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
+            raise ValueError("bf16-true needs one of kiln's optimizers with contiguous=True (optim.contiguous=true)")
+        self.optimizer = optimizer
+        self.pairs: list[tuple[Any, Any]] = []  # (fp32 master arena, bf16 model arena)
+        replace: dict[int, torch.nn.Parameter] = {}
+        with torch.no_grad():
+            for master, params in optimizer.packed_params():
+                low = [torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad) for p in params]
+                # Same alignment in elements as the master arena, so both share one layout and a
+                # whole-buffer copy moves every parameter at once.
+                align = 64 * dtype.itemsize // master.dtype.itemsize
+                arena = Arena(low, shard_multiple=master.shard_multiple, align_bytes=align)
+                assert arena.numel == master.numel and arena.offsets.equal(master.offsets)
+                for q, g in zip(low, arena.gviews):
+                    if q.requires_grad:
+                        q.grad = g
+                replace.update({id(p): q for p, q in zip(params, low)})
+                self.pairs.append((master, arena))
+        # The model's modules now hold the bf16 parameters; the optimizer keeps the fp32 ones.
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in replace:
+                    module._parameters[name] = replace[id(p)]
+        model.to(dtype)  # frozen parameters and buffers; the bf16 parameters stay where they are
+
+    def grads_to_master(self) -> None:
+        for master, low in self.pairs:
+            master.grad.copy_(low.grad)  # one cast-copy per arena
+        self.optimizer.mark_grads_ready()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():
+            for master, low in self.pairs:
+                low.param.copy_(master.param)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+        for _, low in self.pairs:
+            low.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"masters": [master.param.clone() for master, _ in self.pairs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for (master, low), saved in zip(self.pairs, state["masters"]):
+                master.param.copy_(saved)
+                low.param.copy_(master.param)
+
+
 class Precision:
     """The precision policy of a run: what to autocast to, and whether to scale the loss."""
 
@@ -123,8 +197,15 @@ class Precision:
         self.mode = mode
         self.device = torch.device(device)
         self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(mode)
-        self.param_dtype = torch.float64 if mode == "fp64" else torch.float32
+        self.param_dtype = torch.float64 if mode == "fp64" else torch.float32  # as the model is built
+        self.input_dtype = {"fp64": torch.float64, "bf16-true": torch.bfloat16}.get(mode, torch.float32)
         self.scaler = LossScaler(**scaler_kwargs) if mode == "fp16-mixed" else None
+        self.masters: MasterWeights | None = None
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called once the optimizer is built: bf16-true turns the model into bf16 here."""
+        if self.mode == "bf16-true":
+            self.masters = MasterWeights(model, optimizer)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -138,20 +219,37 @@ class Precision:
         (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the gradients true gradients (before clipping)."""
+        """Make the optimizer's gradients the true fp32 gradients (before clipping): unscale
+        them (fp16) or copy them into the master weights (bf16-true)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
+        elif self.masters and not self._copied:
+            self.masters.grads_to_master()
+            self._copied = True
+
+    _copied = False
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer (or skip it on fp16 overflow); returns whether it stepped."""
         if self.scaler:
             return self.scaler.step(optimizer)
+        if self.masters:
+            self.unscale_(optimizer)
+            self.masters.step()
+            self._copied = False
+            return True
         optimizer.step()
         return True
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        (self.masters or optimizer).zero_grad()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None,
+                "masters": self.masters.state_dict() if self.masters else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.masters and state.get("masters"):
+            self.masters.load_state_dict(state["masters"])

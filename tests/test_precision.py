@@ -137,3 +137,52 @@ def test_mixed_precision_vit_reaches_95_percent(tmp_path, precision):
     (run,) = set(tmp_path.iterdir()) - before
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval"]["accuracy"] >= 0.95, summary["eval"]
+
+
+def test_bf16_true_keeps_fp32_masters_in_the_arena_and_bf16_model():
+    from kiln.precision import MasterWeights
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = kiln.optim.SGD(model.parameters(), lr=1e-4)
+    masters = MasterWeights(model, opt)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(a.dtype == torch.float32 for a in opt.arenas)
+    before = [a.param.clone() for a in opt.arenas]
+    x = torch.randn(16, 6, dtype=torch.bfloat16)
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        masters.grads_to_master()
+        masters.step()
+        masters.zero_grad()
+    for (master, low), b in zip(masters.pairs, before):
+        assert not torch.equal(master.param, b)  # the fp32 masters moved ...
+        assert torch.equal(low.param, master.param.to(torch.bfloat16))  # ... and bf16 follows them
+    # updates far below bf16's resolution accumulate in the fp32 master, not lost to rounding
+    w = masters.pairs[0][0].param
+    assert (w - before[0]).abs().max() < 2e-3
+
+
+def test_bf16_true_needs_the_arena(tmp_path, capsys):
+    assert main(["train", MLP, "train.precision=bf16-true", "optim.contiguous=false"]) == 2
+    assert "optim.contiguous=true" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true", "fp16-mixed"])
+def test_resume_from_a_middle_checkpoint_reproduces_the_run(tmp_path, precision):
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=20", "train.checkpoint_every=5",
+                 "train.keep_checkpoints=10", f"train.precision={precision}", "model.dropout=0.1"]) == 0
+    (run,) = tmp_path.iterdir()
+    ckpts = run / "checkpoints"
+    expected = load_checkpoint(ckpts / "final.pt")
+    summary = json.loads((run / "summary.json").read_text())
+    for name in ("final.pt", "step-00000015.pt", "step-00000010.pt"):
+        (ckpts / name).unlink()  # as if the run had died just after step 5
+    assert main(["train", "--resume", str(run)]) == 0
+    again = load_checkpoint(ckpts / "final.pt")
+    assert all(torch.equal(expected["model"][k], again["model"][k]) for k in expected["model"])
+    assert json.loads((run / "summary.json").read_text())["final_train_loss"] == summary["final_train_loss"]
+    if precision == "bf16-true":
+        assert expected["model"]["blocks.0.0.weight"].dtype == torch.bfloat16
+        assert all(torch.equal(a, b) for a, b in zip(expected["precision"]["masters"]["masters"],
+                                                       again["precision"]["masters"]["masters"]))

@@ -232,6 +232,9 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         if not tensorboard_available():
             raise ConfigError("train.loggers includes tensorboard, but the tensorboard package is not installed; "
                               "pip install 'kiln[tensorboard]' or remove it from train.loggers")
+    if train["precision"] == "bf16-true" and not cfg["optim"]["contiguous"]:
+        raise ConfigError("train.precision=bf16-true keeps its fp32 master weights in kiln's arena; "
+                          "set optim.contiguous=true (or use train.precision=bf16-mixed)")
     if train["keep_checkpoints"] < 1:
         raise ConfigError(f"train.keep_checkpoints={train['keep_checkpoints']} must be at least 1")
     if cfg["optim"]["lr"] <= 0:

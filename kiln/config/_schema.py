@@ -58,9 +58,10 @@ class TrainConfig:
     run_name: Optional[str] = None  # run directory prefix; None: the config file's name
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     threads: Optional[int] = None  # torch intra-op CPU threads; None: torch's default
-    # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state;
-    # fp16 with dynamic loss scaling) | fp64 (for numerical checks). See kiln/precision.py.
-    precision: Literal["fp32", "bf16-mixed", "fp16-mixed", "fp64"] = "fp32"
+    # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state; fp16
+    # with dynamic loss scaling) | bf16-true (bf16 params and activations, fp32 master weights
+    # and optimizer state) | fp64 (for numerical checks). See kiln/precision.py.
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64"] = "fp32"
     accumulate: int = 1  # micro-batches per optimizer step, each data.batch_size / accumulate
     clip_grad_norm: Optional[float] = None  # clip the global gradient norm (after unscaling)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks

@@ -216,6 +216,29 @@ class ArenaOptimizer(Optimizer):
         """The arenas, one per (parameter group, device, dtype), in parameter-group order."""
         return [pk.arena for pk in self._packs]
 
+    def packed_params(self) -> list[tuple[Arena, list[torch.Tensor]]]:
+        """``(arena, its parameters in segment order)`` for each arena."""
+        return [(pk.arena, list(pk.params)) for pk in self._packs]
+
+    def flat_grads(self) -> list[torch.Tensor]:
+        """The tensors holding all gradients: one flat buffer per arena (after absorbing any
+        gradient placed outside it), or every ``p.grad`` with ``contiguous=False``. A check or
+        a scaling over all gradients is then one operation per buffer."""
+        if not self.contiguous:
+            return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self._sync(check_fresh=False)
+        return [pk.arena.grad for pk in self._packs]
+
+    def mark_grads_ready(self) -> None:
+        """Count every trainable parameter as having received a gradient this step. For code
+        that writes the flat gradient itself instead of through autograd (the fp32 master
+        weights of ``bf16-true`` training, a reduce-scatter into a ZeRO shard)."""
+        for pk in self._packs:
+            for i, p in enumerate(pk.params):
+                if p.requires_grad:
+                    self._flags[pk.s0 + i] = 1
+        self._flags[-1] = 1
+
     # -- per-step checks ------------------------------------------------------------------
     def _sync(self, check_fresh: bool) -> None:
         """Make the arena authoritative again (see the module docstring). O(params) but only

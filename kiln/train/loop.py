@@ -93,6 +93,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
 
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
     optimizer = build_optimizer(cfg.optim, model)  # after .to(): the arena lives on the device
+    precision.attach(model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
     plain_model = model
     if tc.compile:
         from kiln.compile import apply_compile
@@ -176,7 +177,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
             step_start = time.perf_counter()
             for _ in range(tc.accumulate):
                 _, (inputs, targets) = next(batches)
-                inputs = _to_device(inputs, device, precision.param_dtype)
+                inputs = _to_device(inputs, device, precision.input_dtype)
                 targets = targets.to(device, non_blocking=True)
                 with precision.autocast():
                     # Each micro-batch holds batch_size / K samples, so dividing its mean loss by
@@ -189,7 +190,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
                 grad_norm = clip_gradients(optimizer, tc.clip_grad_norm)
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
                 scheduler.step()
-            optimizer.zero_grad()  # kiln's optimizers: one memset of the flat gradient
+            precision.zero_grad(optimizer)  # kiln's optimizers: one memset of the flat gradient
             if tc.compile and step == start_step + 1:
                 compile_seconds = time.perf_counter() - step_start  # reported apart from step time
             window_steps += 1
@@ -214,7 +215,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
                 window_steps = 0
             if (tc.eval_every and step % tc.eval_every == 0) or step == total_steps:
                 with precision.autocast():
-                    last_eval = evaluate(data.task, model, data.val, device, precision.param_dtype)
+                    last_eval = evaluate(data.task, model, data.val, device, precision.input_dtype)
                 row.update({f"eval_{k}": v for k, v in last_eval.items()})
                 # after each evaluation, in this order: best checkpoint, then early stopping
                 if best is not None:
