@@ -184,6 +184,10 @@ def test_map_style_ranks_are_disjoint_and_cover():
     fresh = build_loader(ds, 4, shuffle=True, seed=3, rank=0, world_size=2)
     stream = [(e, b) for e, (b,) in _take(infinite(fresh), 10)]
     assert [i for e, b in stream if e == 1 for i in b.tolist()] == epochs[1][0]
+    # Resuming at epoch 1 replays epoch 1's order.
+    resumed = build_loader(ds, 4, shuffle=True, seed=3, rank=0, world_size=2)
+    first = _take(infinite(resumed, start_epoch=1), 5)
+    assert [e for e, _ in first] == [1] * 5 and [i for _, (b,) in first for i in b.tolist()] == epochs[1][0]
 
 
 def _take(iterator, n):

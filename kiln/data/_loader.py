@@ -252,15 +252,17 @@ def shard_iterable(iterable: Iterable[T], rank: int | None = None, world_size: i
     return itertools.islice(iterable, rank * num_workers + worker_id, None, world_size * num_workers)
 
 
-def infinite(loader: DataLoader) -> Iterator[tuple[int, Any]]:
-    """Yield ``(epoch, batch)`` forever, starting at epoch 0 and counting up at each pass.
+def infinite(loader: DataLoader, start_epoch: int = 0) -> Iterator[tuple[int, Any]]:
+    """Yield ``(epoch, batch)`` forever, starting at ``start_epoch`` and counting up at each pass.
+
+    Resuming at ``start_epoch=e`` gives epoch ``e``'s order and worker seeds, as the first run had.
 
     >>> from torch.utils.data import TensorDataset
     >>> stream = infinite(build_loader(TensorDataset(torch.arange(3)), 2, shuffle=False, seed=0))
     >>> [(epoch, batch[0].tolist()) for epoch, batch in (next(stream) for _ in range(3))]
     [(0, [0, 1]), (0, [2]), (1, [0, 1])]
     """
-    epoch = 0
+    epoch = start_epoch
     while True:
         # Samplers such as DistributedSampler shuffle per epoch only when told the epoch;
         # build_loader's loaders pass it on to their sampler and worker seeds themselves.
