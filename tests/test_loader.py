@@ -184,10 +184,18 @@ def test_map_style_ranks_are_disjoint_and_cover():
     fresh = build_loader(ds, 4, shuffle=True, seed=3, rank=0, world_size=2)
     stream = [(e, b) for e, (b,) in _take(infinite(fresh), 10)]
     assert [i for e, b in stream if e == 1 for i in b.tolist()] == epochs[1][0]
-    # Resuming at epoch 1 replays epoch 1's order.
+    # Resuming at epoch 1 replays epoch 1's order, with and without ranks.
     resumed = build_loader(ds, 4, shuffle=True, seed=3, rank=0, world_size=2)
     first = _take(infinite(resumed, start_epoch=1), 5)
     assert [e for e, _ in first] == [1] * 5 and [i for _, (b,) in first for i in b.tolist()] == epochs[1][0]
+
+
+def test_resume_replays_epoch_without_ranks():
+    ds = TensorDataset(torch.arange(12))
+    loader = build_loader(ds, 4, shuffle=True, seed=1)
+    epochs = [_indices(loader) for _ in range(3)]
+    resumed = _take(infinite(build_loader(ds, 4, shuffle=True, seed=1), start_epoch=2), 3)
+    assert [i for _, (b,) in resumed for i in b.tolist()] == epochs[2]
 
 
 def _take(iterator, n):

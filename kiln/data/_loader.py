@@ -3,9 +3,10 @@
 Reproducibility rules that :func:`build_loader` enforces:
 
 - The sample order depends only on ``seed`` and the epoch: never on the global RNG, the number
-  of workers, or whether workers persist. (Torch draws each iterator's worker base seed from
-  the loader's generator; sharing that generator with the shuffle sampler would make the
-  order of later epochs depend on ``persistent_workers``. The sampler has its own.)
+  of workers, whether workers persist, or the epochs before it (so a resumed run replays
+  epoch ``e`` directly). Torch draws each iterator's worker base seed from the loader's
+  generator; a shuffle sampler sharing that generator would make later epochs' order depend
+  on ``persistent_workers``.
 - Every worker of every rank seeds Python ``random``, NumPy's global RNG and torch with
   :func:`worker_seed` ``(seed, rank, worker_id, epoch)``. Torch's own per-worker seeds are
   the same on every rank that shares a seed, so without this all ranks draw the same
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 __all__ = ["build_loader", "infinite", "resolve_workers", "worker_seed", "shard_iterable"]
 
@@ -108,6 +109,26 @@ class _SeedWorker:
         random.seed(words[0] << 32 | words[1])
         np.random.seed(words)  # the legacy global RNG, which np.random.rand() and most augmentation code use
         torch.manual_seed((words[2] << 32 | words[3]) >> 1)  # 63 bits: manual_seed takes an int64
+
+
+class _EpochShuffle(Sampler[int]):
+    """A random permutation per epoch that depends only on ``(seed, epoch)``.
+
+    Like ``DistributedSampler``'s, so a resumed run replays epoch ``e`` without replaying 0..e-1.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        seq = np.random.SeedSequence([self.seed % 2**64, self.epoch], spawn_key=(2,))
+        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(_torch_seed(seq))).tolist())
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class _Loader(DataLoader):
@@ -209,7 +230,7 @@ def build_loader(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
     elif shuffle:
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+        sampler = _EpochShuffle(len(dataset), seed)
     else:
         sampler = SequentialSampler(dataset)
 
