@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Arena", "arena_layout"]
+__all__ = ["Arena", "ArenaSlice", "arena_layout"]
 
 ALIGN_BYTES = 64
 
@@ -145,3 +145,77 @@ class Arena:
         return (f"Arena({len(self.numels)} tensors, {self.numel} elements ({mib:.1f} MiB), "
                 f"{self.dtype}, {self.device}, shard_multiple={self.shard_multiple})")
 
+
+
+class ArenaSlice:
+    """The element range [lo, hi) of an :class:`Arena`, laid out like an arena of its own, so
+    that an optimizer's flat update runs on it unchanged (ZeRO: the rank's shard).
+
+    A range cuts through parameter tensors; each parameter it touches becomes one *piece*.
+    Piece k covers the range's part of that segment's padded extent (so the pieces tile
+    [0, hi - lo) with no gap), ``numels[k]`` counts only real elements, and ``pviews``,
+    ``gviews`` and :meth:`views` are 1-D views of those elements. ``shapes`` stay the whole
+    parameters' shapes (an optimizer reads them to tell 1-D tensors apart, e.g. LARS's
+    ``exclude_1d``), and ``seg_ids[k]`` is the piece's segment index in the parent arena.
+    Per-tensor statistics over pieces are partial: whoever owns the other ranges must add
+    theirs in (see ``_Pack.norm_reduce``).
+
+    Args:
+        arena: the parent arena; ``param`` is a view of ``arena.param[lo:hi]``.
+        lo, hi: the range in elements.
+        grad: the (hi - lo,) gradient buffer of the range; default a view of ``arena.grad``.
+
+    >>> import torch
+    >>> w, b = torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(5))
+    >>> arena = Arena([w, b], shard_multiple=2)       # segments [0, 32) and [32, 48), N = 64
+    >>> s = ArenaSlice(arena, *arena.shard(0, 2))     # [0, 32): all of w
+    >>> s.seg_ids, s.numels, ArenaSlice(arena, 16, 48).numels
+    ([0], [30], [14, 5])
+    """
+
+    def __init__(self, arena: Arena, lo: int, hi: int, grad: torch.Tensor | None = None) -> None:
+        if not 0 <= lo <= hi <= arena.numel:
+            raise ValueError(f"range [{lo}, {hi}) is outside the arena's {arena.numel} elements")
+        self.parent, self.lo, self.hi = arena, lo, hi
+        self.dtype, self.device = arena.dtype, arena.device
+        self.numel = hi - lo
+        self.shard_multiple = 1
+        self.param = arena.param[lo:hi]
+        self.grad = arena.grad[lo:hi] if grad is None else grad
+        if self.grad.shape != (self.numel,):
+            raise ValueError(f"grad must have shape ({self.numel},), got {tuple(self.grad.shape)}")
+        bounds = arena._bounds
+        self.seg_ids: list[int] = []
+        self._pieces: list[tuple[int, int]] = []  # real elements of each piece, local coordinates
+        local_bounds: list[int] = []
+        for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if b <= lo or a >= hi or (a == b):
+                continue
+            data_end = a + arena.numels[k]
+            s, e = max(a, lo), min(data_end, hi)
+            self.seg_ids.append(k)
+            self._pieces.append((s - lo, max(s, e) - lo))
+            local_bounds.append(max(a, lo) - lo)
+        self._bounds = local_bounds + [self.numel]
+        self._starts = local_bounds
+        self.shapes = [arena.shapes[k] for k in self.seg_ids]
+        self.numels = [e - s for s, e in self._pieces]
+        self.lengths = [b - a for a, b in zip(self._bounds[:-1], self._bounds[1:])]
+        self.pviews = self.views(self.param)
+        self.gviews = self.views(self.grad)
+
+    def segment_range(self, i: int, j: int | None = None) -> tuple[int, int]:
+        """Local element range [start, end) covering pieces i..j-1 with their padding."""
+        return self._bounds[i], self._bounds[i + 1 if j is None else j]
+
+    def new_buffer(self) -> torch.Tensor:
+        """A zeroed (hi - lo,) buffer: optimizer state for the range only."""
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """1-D views of each piece's real elements in a (hi - lo,) buffer."""
+        return [flat[s:e] for s, e in self._pieces]
+
+    def __repr__(self) -> str:
+        return (f"ArenaSlice([{self.lo}, {self.hi}) of {self.parent.numel}, {len(self.seg_ids)} pieces, "
+                f"{self.dtype}, {self.device})")

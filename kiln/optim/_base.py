@@ -106,6 +106,9 @@ class _Pack:
         self.scratch_views: list[torch.Tensor] = []
         self.is1d = [len(s) <= 1 for s in arena.shapes]
         self.cache: dict[Any, Any] = {}  # per-optimizer constants of this arena (e.g. LARS masks)
+        # Over an ArenaSlice (a ZeRO shard) per-tensor norms are partial; ZeRO sets this to a
+        # collective (i, j, norms (2*(j-i),)) -> full norms. None over a whole arena.
+        self.norm_reduce: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
 
     def set_uniform(self) -> None:
         steps = self.step_vec.tolist()
@@ -117,6 +120,7 @@ class ArenaOptimizer(Optimizer):
     """Base class: packs parameters into arenas and keeps torch.optim's public behaviour."""
 
     _has_step_state = True  # torch keeps state[p]['step'] for this optimizer
+    _per_tensor_norms = False  # the update needs per-tensor norms (LAMB, LARS): see _Pack.norm_reduce
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, contiguous: bool = True,
                  shard_multiple: int | None = None) -> None:

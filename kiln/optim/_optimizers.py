@@ -254,6 +254,13 @@ def _list_norms(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(ts[0].dtype)))
 
 
+def _segment_norms(pack: _Pack, i: int, j: int, ts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms of ts (views of segments i..j-1 of pack, several lists concatenated),
+    completed by ``pack.norm_reduce`` when pack covers only part of each tensor (a ZeRO shard)."""
+    norms = _list_norms(ts)
+    return norms if pack.norm_reduce is None else pack.norm_reduce(i, j, norms)
+
+
 class LAMB(ArenaOptimizer):
     """LAMB (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962).
 
@@ -271,6 +278,8 @@ class LAMB(ArenaOptimizer):
     update: read w, u, write w) against AdamW's 7, and no schedule can go below 10 (the
     trust ratio needs all of u before any of w can move).
     """
+
+    _per_tensor_norms = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, trust_clip: float | None = None,
@@ -295,7 +304,7 @@ class LAMB(ArenaOptimizer):
         # vectorises the 16-wide inner reduction poorly), and torch.segment_reduce over N
         # elements is 2x slower than one _foreach_norm over both lists.
         pviews, uviews = pack.arena.pviews[i:j], pack.scratch_views[i:j]
-        norms = _list_norms(pviews + uviews)
+        norms = _segment_norms(pack, i, j, pviews + uviews)
         r = _rules.trust_ratio(norms[:j - i], norms[j - i:], clip=group["trust_clip"])
         torch._foreach_addcmul_(pviews, uviews, list(r.to(p.dtype).unbind()), value=-group["lr"])
 
@@ -323,6 +332,8 @@ class LARS(ArenaOptimizer):
     adaptation nor decay: q = 1 and d = g, i.e. plain SGD with momentum.
     """
 
+    _per_tensor_norms = True
+
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
                  weight_decay: float = 0.0, eta: float = 0.001, *, nesterov: bool = False,
                  exclude_1d: bool = True, contiguous: bool = True, shard_multiple: int | None = None,
@@ -345,7 +356,7 @@ class LARS(ArenaOptimizer):
         one_d = [k for k in range(i, j) if pack.is1d[k]] if group["exclude_1d"] else []
         if one_d and wd:  # undo the decay: d = g for biases and norm weights
             torch._foreach_copy_([pack.scratch_views[k] for k in one_d], [pack.arena.gviews[k] for k in one_d])
-        norms = _list_norms(pviews + dviews)
+        norms = _segment_norms(pack, i, j, pviews + dviews)
         q = _rules.trust_ratio(norms[:j - i], norms[j - i:], eta=group["eta"])
         if one_d:
             q[torch.tensor(one_d) - i] = 1.0
