@@ -168,10 +168,12 @@ def test_bf16_true_needs_the_arena(tmp_path, capsys):
     assert "optim.contiguous=true" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-true", "fp16-mixed"])
-def test_resume_from_a_middle_checkpoint_reproduces_the_run(tmp_path, precision):
+@pytest.mark.parametrize("precision, workers", [("fp32", 0), ("fp32", 2), ("bf16-true", 0), ("fp16-mixed", 0)])
+def test_resume_from_a_middle_checkpoint_reproduces_the_run(tmp_path, precision, workers):
+    # data.batch_size=128: 11 batches per epoch, so step 5 is mid-epoch and step 20 in the next one
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=20", "train.checkpoint_every=5",
-                 "train.keep_checkpoints=10", f"train.precision={precision}", "model.dropout=0.1"]) == 0
+                 "train.keep_checkpoints=10", f"train.precision={precision}", "model.dropout=0.1",
+                 "data.batch_size=128", f"data.workers={workers}"]) == 0
     (run,) = tmp_path.iterdir()
     ckpts = run / "checkpoints"
     expected = load_checkpoint(ckpts / "final.pt")

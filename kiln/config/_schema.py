@@ -18,8 +18,10 @@ class DataConfig:
     args: dict = field(default_factory=dict)  # keyword arguments of that dataset's builder
     batch_size: int = 64  # GLOBAL samples per optimizer step, whatever the layout
     eval_batch_size: int = 512  # samples per evaluation batch (no gradients, so larger)
-    workers: Union[int, Literal["auto"]] = 0  # DataLoader worker processes
+    workers: Union[int, Literal["auto"]] = 0  # loader processes; auto: usable CPUs per local rank
     pin_memory: Union[bool, Literal["auto"]] = "auto"  # auto: on when training on CUDA
+    persistent_workers: Optional[bool] = None  # keep workers between epochs; None: on with workers
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead; None: torch's 2
     drop_last: bool = True  # drop the last incomplete training batch of each epoch
 
 

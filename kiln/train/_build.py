@@ -64,11 +64,6 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
     micro_batch = data_cfg.batch_size // accumulate
     pin = data_cfg.pin_memory
     pin = device.type == "cuda" if pin == "auto" else pin
-    workers = data_cfg.workers
-    if workers == "auto":
-        import os
-
-        workers = min(len(os.sched_getaffinity(0)), 8)
     if len(splits.train) < micro_batch and data_cfg.drop_last:
         from kiln.config import ConfigError
 
@@ -77,10 +72,13 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
             "so every batch would be dropped; lower data.batch_size or set data.drop_last=false"
         )
     train = build_loader(
-        splits.train, micro_batch, shuffle=True, seed=seed, drop_last=data_cfg.drop_last,
-        workers=workers, pin_memory=pin,
+        splits.train, micro_batch, shuffle=not isinstance(splits.train, torch.utils.data.IterableDataset),
+        seed=seed, drop_last=data_cfg.drop_last, workers=data_cfg.workers, pin_memory=pin,
+        persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor,
     )
-    val = build_loader(splits.val, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0, pin_memory=pin)
+    # Every rank evaluates the whole validation set: metrics need no reduction across ranks.
+    val = build_loader(splits.val, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0,
+                       pin_memory=pin, rank=0, world_size=1)
     return Data(train=train, val=val, task=splits.task, num_classes=splits.num_classes)
 
 
