@@ -1,0 +1,17 @@
+"""Multi-process training on torch.distributed: ``kiln.parallel``.
+
+- :func:`init_distributed`, :func:`rank`, :func:`world_size`, :func:`is_main`: process group
+  set-up from torchrun's environment (a no-op in one process).
+- zero=0, data parallel on the arena: :func:`broadcast_parameters` once at start,
+  :func:`all_reduce_gradients` once per optimizer step (one all-reduce per arena).
+- :class:`ZeroOptimizer`: ZeRO stage 1 (sharded optimizer state) and stage 2 (sharded state
+  and gradients) around a kiln optimizer; each rank owns one contiguous shard of each arena.
+
+See :mod:`kiln.parallel._zero` for the per-step call order a trainer follows.
+"""
+
+from kiln.parallel._dist import init_distributed, is_main, rank, world_size
+from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters
+
+__all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
+           "broadcast_parameters", "all_reduce_gradients"]
