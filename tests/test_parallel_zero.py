@@ -181,3 +181,20 @@ def test_zero_rejects_bad_layout():
         ZeroOptimizer(opt, stage=3)
     with pytest.raises(TypeError):
         ZeroOptimizer(torch.optim.AdamW(model.parameters()), stage=1)
+
+
+def test_bench_zero_quick(tmp_path):
+    """``kiln bench zero`` (quick): measured per-rank bytes equal the ZeRO paper's formulas up
+    to the arena's alignment padding, and stage 2 meets its target at dp=2 and dp=4."""
+    from kiln.bench import BENCHMARKS, run_benchmark
+
+    assert "zero" in BENCHMARKS
+    report = run_benchmark("zero", tmp_path, quick=True)
+    assert report["target_met"]
+    assert (tmp_path / "zero.json").exists() and (tmp_path / "zero.png").exists()
+    rows = [r for r in report["rows"] if not r.get("not_yet")]
+    assert {(r["dp"], r["stage"]) for r in rows} == {(d, s) for d in (2, 4) for s in (0, 1, 2)}
+    for r in rows:
+        parts = [r["param_bytes"], r["grad_bytes"], r["state_bytes"]]
+        for got, per_param in zip(parts, r["paper_parts"]):
+            assert per_param * r["n_params"] <= got <= per_param * r["n_params"] * 1.02 + 64 * 8, r

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "encoder-layer": ("kiln.bench.encoder_layer", "one pre-LN encoder layer: forward/backward/step, torch vs kiln (article setup)"),
     "memory": ("kiln.bench.memory", "activation memory and step time under activation checkpointing x precision"),
     "dataloader": ("kiln.bench.dataloader", "samples/s and time to first batch of CPU-heavy augmentation: workers=0 vs workers='auto'"),
+    "zero": ("kiln.bench.zero", "per-rank bytes of parameters/gradients/optimizer state: data parallel vs ZeRO-1/2 at dp=2, 4"),
 }
 
 
