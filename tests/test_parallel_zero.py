@@ -28,10 +28,13 @@ OPTS = {
 }
 
 
-def _model(seed: int) -> nn.Module:
+def _model(seed: int, frozen: bool = False) -> nn.Module:
     # hidden 40: shard boundaries cut through the first weight matrix and a LayerNorm weight
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 40), nn.LayerNorm(40), nn.Tanh(), nn.Linear(40, 3))
+    model = nn.Sequential(nn.Linear(12, 40), nn.LayerNorm(40), nn.Tanh(), nn.Linear(40, 3))
+    if frozen:  # a frozen tensor splits the arena into runs of trainable segments
+        model[1].weight.requires_grad_(False)
+    return model
 
 
 def _groups(model: nn.Module) -> list[dict]:
@@ -50,8 +53,8 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(name: str, clip: float | None) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = _model(0)
-    opt = OPTS[name](_groups(model), 1)
+    model = _model(0, frozen=name.endswith("-frozen"))
+    opt = OPTS[name.removesuffix("-frozen")](_groups(model), 1)
     for step in range(STEPS):
         x, y = _batch(step)
         _loss(model, x, y).backward()
@@ -70,8 +73,9 @@ def _rel(a: nn.Module, b: nn.Module) -> float:
 
 def _train_case(rank_: int, world: int, name: str, stage: int | None, clip: float | None) -> dict:
     """stage None: a plain kiln optimizer + all_reduce_gradients (zero=0 without the wrapper)."""
-    model = _model(seed=rank_)  # different on every rank until the broadcast
-    opt = OPTS[name](_groups(model), world)
+    frozen = name.endswith("-frozen")
+    model = _model(seed=rank_, frozen=frozen)  # different on every rank until the broadcast
+    opt = OPTS[name.removesuffix("-frozen")](_groups(model), world)
     broadcast_parameters(model)
     zero = None if stage is None else ZeroOptimizer(opt, stage)
     runner = zero or opt
@@ -93,6 +97,10 @@ def _train_case(rank_: int, world: int, name: str, stage: int | None, clip: floa
         runner.step()
         if stage == 2 and step == STEPS - 1:  # between steps: no full gradient anywhere
             out["grads_none"] = all(p.grad is None for p in model.parameters())
+        if step == 0 and zero is not None:  # a scheduler drives the shared hyperparameters
+            sched = torch.optim.lr_scheduler.LambdaLR(zero, lambda s: 1.0)
+        if zero is not None:
+            sched.step()
             out["full_grad_bytes"] = sum(a.grad.untyped_storage().nbytes() for a in opt.arenas)
         runner.zero_grad()
     ref_model, ref_opt = _reference(name, clip)
@@ -108,7 +116,7 @@ def _train_case(rank_: int, world: int, name: str, stage: int | None, clip: floa
         out["sd_rel"] = max(diffs) if diffs else 0.0
         out["sd_steps"] = sorted({int(s["step"]) for s in sd["state"].values() if "step" in s})
         # load the gathered dict into a fresh wrapper: the shards come back exactly
-        fresh = ZeroOptimizer(OPTS[name](_groups(_model(0)), world), stage)
+        fresh = ZeroOptimizer(OPTS[name.removesuffix("-frozen")](_groups(_model(0, frozen)), world), stage)
         fresh.load_state_dict(sd)
         out["load_exact"] = all(torch.equal(a.state[n], b.state[n]) for a, b in zip(zero._shards, fresh._shards)
                                 for n in a.state) and (name == "sgd" or [  # torch's SGD keeps no step count
@@ -130,24 +138,25 @@ def _check(results: list[dict], world: int) -> None:
             assert out["rel"] < 1e-6, (case, r, out["rel"])
             if stage:
                 # optimizer state only for the shard: (number of state buffers + scratch) x N/world
-                nbuf = {"adamw": 2, "lamb": 3, "sgd": 1, "lars": 2}[name]
+                nbuf = {"adamw": 2, "lamb": 3, "sgd": 1, "lars": 2}[name.removesuffix("-frozen")]
                 assert out["state_bytes"] == nbuf * out["numel"] * 4 // world, (case, out)
                 assert out["inner_state_empty"] and out["sd_keys_match"] and out["load_exact"], (case, out)
                 assert out["sd_rel"] < 1e-5, (case, out["sd_rel"])
-                if name != "sgd":
+                if name in ("adamw", "lamb", "lars"):
                     assert out["sd_steps"] == [STEPS]
             if stage == 2:
                 assert out["grads_none"] and out["full_grad_bytes"] == 0, (case, out)
 
 
-CASES_2 = [(name, stage, 0.5 if name == "adamw" else None) for name in OPTS for stage in (None, 0, 1, 2)]
+CASES_2 = [(name, stage, 0.5 if name == "adamw" else None) for name in OPTS for stage in (None, 0, 1, 2)] + [
+    ("lamb-frozen", 2, None), ("adamw-frozen", 1, 0.5)]
 
 
 def test_zero_parity_dp2():
     """dp=2, ranks feed halves of the global batch with 2 micro-batches each: after 5 steps the
     parameters equal one process's with the whole batch, to 1e-6 relative (fp32), for zero 0
     (plain and wrapped), 1 and 2, with AdamW (+ global-norm clipping), LAMB, SGD (Nesterov)
-    and LARS; the gathered state dict equals torch-layout reference state and reloads exactly."""
+    and LARS (and with a frozen tensor); the gathered state dict equals torch-layout reference state and reloads exactly."""
     _check(run_distributed(_parity_worker, 2, CASES_2), 2)
 
 

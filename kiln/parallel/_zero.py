@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
