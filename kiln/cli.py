@@ -7,6 +7,7 @@ status 2, with no Python traceback; bugs still show their traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -46,6 +47,13 @@ examples:
   kiln train configs/digits_mlp.yaml train.seed=1 train.output_dir=/tmp/runs
   kiln train configs/digits_vit.py train.checkpoint_every=100
   kiln train --resume runs/digits_vit-20260101-120000      continue after a crash or kill
+  kiln train configs/digits_vit.py --nproc 2                 data parallel over 2 processes
+
+Several machines: start the same command on each with torchrun, for example
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+      -m kiln train configs/digits_vit.py
+Rank 0 alone writes the run directory. Set KILN_RUN_DIR to a shared path to name it; a
+restarted group then resumes from its last checkpoint.
 """
 
 _PLAN_HELP = """\
@@ -76,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue RUN_DIR from its newest checkpoint, in place (appends to metrics.csv); "
                        "overrides may only change how long it runs, e.g. train.max_steps=2000")
+    train.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="train with N local processes started by torchrun (torch.distributed.run): "
+                       "gloo on CPU, nccl on GPU; data.batch_size stays the global batch")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                       help="with --nproc: let torchrun's elastic agent restart the processes up to R times "
+                       "after a failure; training resumes from the run's last checkpoint")
     train.set_defaults(func=_cmd_train)
 
     bench = sub.add_parser(
@@ -128,6 +142,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from kiln.config import load_config
     from kiln.train import train
 
+    if args.nproc < 1:
+        raise _UsageError(f"--nproc {args.nproc} must be at least 1")
     if args.resume:
         if args.config is not None and "=" not in args.config:
             raise _UsageError("give either CONFIG or --resume RUN_DIR, not both")
@@ -136,13 +152,50 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not (run_dir / "config.yaml").is_file():
             raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
         cfg = load_config(run_dir / "config.yaml", overrides)
-        result = train(cfg, resume=run_dir)
+        command = ["--resume", str(run_dir), *overrides]
     elif args.config is None:
         raise _UsageError("kiln train needs a CONFIG file or --resume RUN_DIR (see kiln train --help)")
     else:
-        cfg = load_config(args.config, args.overrides)
-        result = train(cfg, name=_run_name(Path(args.config)))
+        run_dir = None
+        cfg = load_config(args.config, args.overrides)  # checked here, before any process starts
+        command = [args.config, *args.overrides]
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        name = cfg.train.run_name or _run_name(Path(args.config or run_dir / "config.yaml"))
+        return _launch(command, args.nproc, args.max_restarts, run_dir, cfg.train.output_dir, name)
+    # Under torchrun the launcher names the run directory; once it holds a checkpoint (an
+    # elastic restart), the restarted processes continue from it.
+    shared = os.environ.get("KILN_RUN_DIR")
+    if run_dir is None and shared and any((Path(shared) / "checkpoints").glob("*.pt")):
+        run_dir = Path(shared)
+    if run_dir is not None:
+        result = train(cfg, resume=run_dir)
+    else:
+        result = train(cfg, name=_run_name(Path(args.config)), run_dir=Path(shared) if shared else None)
     return 0 if result.summary.get("status") == "completed" else 1
+
+
+def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | None, output_dir: str,
+            name: str) -> int:
+    """Run ``kiln train COMMAND`` in ``nproc`` local processes under torchrun's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    from kiln.train._run_dir import RunDir
+
+    if run_dir is None:
+        run_dir = RunDir.create(output_dir, name).path  # named here, so every restart finds it
+    os.environ["KILN_RUN_DIR"] = str(run_dir)
+    argv = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "-m", "kiln", "train", *command]
+    try:
+        torchrun(argv)
+    except ChildFailedError as exc:
+        failures = "; ".join(f"rank {r}: {f.message or f'exit code {f.exitcode}'}"
+                             for r, f in sorted(exc.failures.items()))
+        print(f"kiln: error: training failed ({failures}). {run_dir} keeps its checkpoints; continue with "
+              f"kiln train --resume {run_dir} --nproc {nproc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -185,7 +238,15 @@ class _UsageError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come after options (kiln train CONFIG --nproc 2 train.max_steps=9): argparse
+    # leaves them over, and every leftover that looks like key=value is an override.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from kiln.config import ConfigError
     from kiln.train._checkpoint import CheckpointError
 

@@ -218,14 +218,18 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the optimizer's gradients the true fp32 gradients (before clipping): unscale
-        them (fp16) or copy them into the master weights (bf16-true)."""
-        if self.scaler:
-            self.scaler.unscale_(optimizer)
-        elif self.masters and not self._copied:
+    def finish_grads(self, optimizer: torch.optim.Optimizer, reduce: Any = None) -> None:
+        """Make the optimizer's gradients the true fp32 gradients, before clipping and step:
+        ``reduce(optimizer)`` (the data-parallel average) runs where it must: on the scaled
+        gradients for fp16, so that every rank sees the same inf and skips the same step; on
+        the fp32 master gradients for bf16-true."""
+        if self.masters:
             self.masters.grads_to_master()
             self._copied = True
+        if reduce is not None:
+            reduce(optimizer)
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
 
     _copied = False
 
@@ -234,7 +238,8 @@ class Precision:
         if self.scaler:
             return self.scaler.step(optimizer)
         if self.masters:
-            self.unscale_(optimizer)
+            if not self._copied:
+                self.masters.grads_to_master()
             self.masters.step()
             self._copied = False
             return True

@@ -164,3 +164,21 @@ def test_report_compares_runs_in_one_picture_and_table(tmp_path, capsys):
         assert f"{summary['final_train_loss']:.4g}" in line and "completed" in line
     assert out.stat().st_size > 10_000  # a real picture
     assert main(["report", str(tmp_path)]) == 2  # not a run directory
+
+
+def test_a_save_that_dies_midway_leaves_the_last_good_checkpoint_intact(tmp_path, monkeypatch):
+    from kiln.train._run_dir import RunDir
+
+    run = RunDir.create(tmp_path, "atomic")
+    good = run.save_checkpoint("step-00000001", {"model": {"w": torch.ones(3)}, "step": 1})
+    original = good.read_bytes()
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        run.save_checkpoint("step-00000001", {"model": {"w": torch.zeros(3)}, "step": 2})
+    assert good.read_bytes() == original  # the old file was never opened for writing
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-00000001.pt"]  # no debris

@@ -217,7 +217,8 @@ def test_rank_defaults_and_checks(monkeypatch):
     ds = TensorDataset(torch.arange(8))
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert not isinstance(build_loader(ds, 2, shuffle=True, seed=0).sampler, DistributedSampler)
+    single = build_loader(ds, 2, shuffle=True, seed=0).sampler
+    assert single.num_replicas == 1 and single.rank == 0  # one process: a rank of one
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets them
     sampler = build_loader(ds, 2, shuffle=True, seed=0).sampler
@@ -232,6 +233,17 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         return shard_iterable(range(self.n), self.rank, self.world_size)
+
+
+def test_one_process_batch_is_the_union_of_the_ranks_micro_batches():
+    # what makes dp=N train the same model as one process with the same global batch
+    ds = TensorDataset(torch.arange(100))
+    single = [b[0].tolist() for b in build_loader(ds, 8, shuffle=True, seed=3, drop_last=True, rank=0, world_size=1)]
+    ranks = [[b[0].tolist() for b in build_loader(ds, 4, shuffle=True, seed=3, drop_last=True, rank=r, world_size=2)]
+             for r in (0, 1)]
+    assert len(single) == len(ranks[0]) == len(ranks[1]) == 12
+    for whole, a, b in zip(single, *ranks):
+        assert sorted(whole) == sorted(a + b)
 
 
 def test_shard_iterable_two_ranks_two_workers():

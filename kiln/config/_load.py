@@ -240,8 +240,10 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
     if cfg["optim"]["lr"] <= 0:
         raise ConfigError(f"optim.lr={cfg['optim']['lr']} must be positive")
     dp = cfg["parallel"]["dp"]
-    if dp is not None and dp != 1:
-        raise ConfigError(f"parallel.dp={dp} needs {dp} processes; this run has 1 (multi-process training is not available yet)")
+    if dp is not None and dp < 1:
+        raise ConfigError(f"parallel.dp={dp} must be at least 1")
+    if cfg["parallel"]["timeout_s"] <= 0:
+        raise ConfigError(f"parallel.timeout_s={cfg['parallel']['timeout_s']} must be positive")
 
 
 def validate(tree: dict[str, Any]) -> dict[str, Any]:

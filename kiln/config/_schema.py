@@ -78,7 +78,8 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: Optional[int] = None  # data-parallel ranks; None: the world size
+    dp: Optional[int] = None  # data-parallel ranks; None: the world size (kiln train --nproc N)
+    timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
 
 
 NAMESPACES: dict[str, Any] = {

@@ -111,26 +111,6 @@ class _SeedWorker:
         torch.manual_seed((words[2] << 32 | words[3]) >> 1)  # 63 bits: manual_seed takes an int64
 
 
-class _EpochShuffle(Sampler[int]):
-    """A random permutation per epoch that depends only on ``(seed, epoch)``.
-
-    Like ``DistributedSampler``'s, so a resumed run replays epoch ``e`` without replaying 0..e-1.
-    """
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        seq = np.random.SeedSequence([self.seed % 2**64, self.epoch], spawn_key=(2,))
-        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(_torch_seed(seq))).tolist())
-
-    def __len__(self) -> int:
-        return self.size
-
-
 class _Loader(DataLoader):
     """A DataLoader that knows its epoch: iterating it tells the sampler and the worker seeder.
 
@@ -225,12 +205,14 @@ def build_loader(
             )
         # The loader cannot split a stream; the dataset must (kiln.data.shard_iterable).
         sampler = None
-    elif world_size > 1:
+    elif world_size > 1 or shuffle:
+        # One process shuffles exactly like a rank of N: the epoch's permutation depends only on
+        # (seed, epoch), and rank r of N takes every N-th index of it. So the N ranks' micro-batches
+        # of a step together hold the very samples of the one-process batch, and a run trains the
+        # same model whatever the number of processes (and a resumed run replays epoch e directly).
         sampler = DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
-    elif shuffle:
-        sampler = _EpochShuffle(len(dataset), seed)
     else:
         sampler = SequentialSampler(dataset)
 

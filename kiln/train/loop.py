@@ -34,6 +34,7 @@ import torch
 
 import kiln
 from kiln.config import save_config
+from kiln.parallel import all_reduce_gradients, broadcast_parameters, init_distributed
 from kiln.precision import Precision
 from kiln.train._build import (
     build_data,
@@ -71,22 +72,30 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.T
     return kiln.optim.clip_grad_norm_(optimizer, max_norm)
 
 
-def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> RunResult:
+def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
+          run_dir: Path | str | None = None) -> RunResult:
     """Train as ``cfg`` (a validated config from ``kiln.config.load_config``) says.
 
-    ``resume=RUN_DIR`` continues that run from its newest checkpoint, in the same directory.
+    ``resume=RUN_DIR`` continues that run from its newest checkpoint, in the same directory;
+    ``run_dir`` names a new, empty run directory instead of creating one under output_dir.
+    Started by torchrun, every process calls this; rank 0 alone writes the run directory.
     """
     wall_start = time.perf_counter()
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    rank, world = init_distributed(cfg.parallel.timeout_s)
+    main = rank == 0
+    dp = _data_parallel_size(cfg, world)
     device = pick_device(tc.device)
-    seed_everything(tc.seed)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
+    seed_everything(tc.seed)  # the same on every rank: identical initial weights
     resumed = _checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
 
     # ---- build everything before touching the disk --------------------------------------
     precision = Precision(tc.precision, device)
-    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device)
+    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate * dp, device=device)
     model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac
@@ -94,6 +103,9 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
     optimizer = build_optimizer(cfg.optim, model)  # after .to(): the arena lives on the device
     precision.attach(model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
+    if world > 1:
+        broadcast_parameters(optimizer)  # rank 0's weights everywhere, whatever each rank built
+        torch.manual_seed(tc.seed + rank)  # but each rank its own dropout masks
     plain_model = model
     if tc.compile:
         from kiln.compile import apply_compile
@@ -131,12 +143,16 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
         train_seconds, samples_seen = ckpt["totals"]["train_seconds"], ckpt["totals"]["samples_seen"]
         elapsed_before = ckpt["totals"]["wall_seconds"]
     batches = _Batches(data.train, epoch, position)  # replays the skipped part of the epoch
-    if resumed is not None:
-        set_rng_state(resumed[1]["rng"])  # after the replay, which may have drawn random numbers
+    if resumed is not None:  # after the replay, which may have drawn random numbers
+        per_rank = resumed[1]["rng"]
+        set_rng_state(per_rank[rank] if len(per_rank) == world else per_rank[0])
 
     # ---- the run directory ---------------------------------------------------------------
-    if resumed is None:
-        run = RunDir.create(tc.output_dir, tc.run_name or name)
+    if not main:
+        run = _NullRun(_broadcast_path(None))  # rank 0 alone writes; the others only learn where
+    elif resumed is None:
+        run = RunDir.open(Path(run_dir)) if run_dir is not None else RunDir.create(tc.output_dir, tc.run_name or name)
+        _broadcast_path(run.path)
         save_config(cfg, run.path / CONFIG)
         run.write_summary(
             status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
@@ -145,6 +161,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
         )
     else:
         run = RunDir.open(Path(resume))
+        _broadcast_path(run.path)
         run.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
         save_config(cfg, run.path / CONFIG)  # may extend max_steps
         run.write_summary(status="running", total_steps=total_steps,
@@ -153,15 +170,17 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
     run.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                       "samples_per_second", "peak_memory_mb", "wall_seconds", *evals])
     loggers = [TensorBoardLogger(run.path / "tensorboard")] if "tensorboard" in tc.loggers else []
-    progress = Progress(total_steps, mode=tc.progress, initial=start_step)
-    progress.message(f"kiln: {n_params:,} parameters on {device}, steps {start_step + 1}..{total_steps} -> {run.path}")
+    progress = Progress(total_steps, mode=tc.progress if main else "none", initial=start_step)
+    layout = f", {world} processes" if world > 1 else ""
+    progress.message(f"kiln: {n_params:,} parameters on {device}{layout}, steps {start_step + 1}..{total_steps} -> {run.path}")
 
     def checkpoint(step: int) -> dict[str, Any]:
+        # Every rank takes part (the RNG states are gathered); rank 0 alone writes the file.
         return {
             "model": plain_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "precision": precision.state_dict(),
             "best": best.state_dict() if best else None, "step": step,
-            "data": {"epoch": batches.epoch, "position": batches.position}, "rng": rng_state(),
+            "data": {"epoch": batches.epoch, "position": batches.position}, "rng": _gather(rng_state(), world),
             "window": {"loss": window_loss.detach().cpu().clone(), "steps": window_steps},
             "totals": {"train_seconds": train_seconds, "samples_seen": samples_seen,
                        "wall_seconds": elapsed_before + time.perf_counter() - wall_start},
@@ -185,8 +204,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
                     loss = loss_fn(data.task, model, (inputs, targets)) / tc.accumulate
                 precision.backward(loss)  # fp16: backward of the scaled loss
                 window_loss += loss.detach()
+            # True fp32 gradients, averaged over the data-parallel ranks (one all-reduce per
+            # arena, only now: the micro-steps before accumulated locally without any sync).
+            precision.finish_grads(optimizer, all_reduce_gradients if world > 1 else None)
             if tc.clip_grad_norm is not None:
-                precision.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 grad_norm = clip_gradients(optimizer, tc.clip_grad_norm)
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
                 scheduler.step()
@@ -199,7 +220,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
             row: dict[str, Any] = {}
             if step % tc.log_every == 0 or step == total_steps:
                 # note: .item() waits for the device; done once per log window, not per step
-                last_train_loss = (window_loss / window_steps).item()
+                last_train_loss = _mean_over_ranks(window_loss / window_steps, world).item()
                 elapsed = time.perf_counter() - window_start
                 if compile_seconds is not None and step - start_step <= tc.log_every:
                     elapsed -= compile_seconds  # the compiling first step is not training speed
@@ -221,7 +242,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
                 if best is not None:
                     improved, stop = best.update(step, row)
                     if improved:
-                        run.save_checkpoint("best", checkpoint(step))
+                        run.save_checkpoint("best", checkpoint(step))  # a no-op off rank 0
                     if stop and stopper is not None:
                         stopped = {"step": step, "reason": stopper.reason}
             if row:
@@ -240,10 +261,11 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
                 break
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
                 run.save_checkpoint(f"step-{step:08d}", checkpoint(step))
-                prune(run.path, tc.keep_checkpoints)
+                if main:
+                    prune(run.path, tc.keep_checkpoints)
 
         if stopped and window_steps:  # the loss of the steps since the last log
-            last_train_loss = (window_loss / window_steps).item()
+            last_train_loss = _mean_over_ranks(window_loss / window_steps, world).item()
         run.save_checkpoint("final", checkpoint(step))
         summary = dict(
             status="completed", steps=step,
@@ -252,6 +274,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
             samples_per_second=samples_seen / max(train_seconds, 1e-9),
             peak_memory_mb=peak_memory_mb(device),
             wall_seconds=elapsed_before + time.perf_counter() - wall_start,
+            processes=world,
             compile_seconds=compile_seconds,
             skipped_steps=precision.scaler.skipped_steps if precision.scaler else 0,
             stopped_early=bool(stopped),
@@ -260,7 +283,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
             finished_at=_dt.datetime.now().isoformat(timespec="seconds"),
         )
         run.close()
-        plot_loss(run.path)
+        if main:
+            plot_loss(run.path)
         run.write_summary(**summary)  # last: "completed" only once everything else is on disk
         progress.close()
         shown = "  ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
@@ -280,6 +304,82 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None) -> R
         run.close()
         for logger in loggers:
             logger.close()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _data_parallel_size(cfg: Any, world: int) -> int:
+    from kiln.config import ConfigError
+
+    dp = cfg.parallel.dp if cfg.parallel.dp is not None else world
+    if dp != world:
+        raise ConfigError(f"parallel.dp={dp} but {world} process(es) were started; start dp processes "
+                          f"(kiln train ... --nproc {dp}) or set parallel.dp={world}")
+    if cfg.data.batch_size % (dp * cfg.train.accumulate):
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp={dp} x "
+            f"train.accumulate={cfg.train.accumulate}; each rank needs a whole micro-batch"
+        )
+    return dp
+
+
+def _broadcast_path(path: Path | None) -> Path:
+    """Rank 0's run directory, on every rank (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return path
+    box = [str(path) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _gather(obj: Any, world: int) -> list[Any]:
+    """``obj`` from every rank, in rank order (a one-element list in one process)."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _mean_over_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x / world
+
+
+class _NullRun:
+    """The run directory as seen from ranks other than 0: it writes nothing."""
+
+    def __init__(self, path: Path):
+        self.path, self.summary = path, {}
+
+    def write_summary(self, **updates: Any) -> None:
+        self.summary.update(updates)
+
+    def save_checkpoint(self, name: str, state: dict[str, Any]) -> None:
+        return None
+
+    def open_metrics(self, fields: list[str]) -> None:
+        return None
+
+    def log_metrics(self, row: dict[str, Any]) -> None:
+        return None
+
+    def truncate_metrics(self, after_step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def _checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:

@@ -1,0 +1,117 @@
+"""Multi-process training through the CLI (torchrun, gloo): same model as one process, a dead
+rank ends the run with a clear error, and the elastic agent's restart resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.train import load_checkpoint, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+
+
+def _kiln(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _only_run(folder: Path) -> Path:
+    (run,) = folder.iterdir()
+    return run
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+@pytest.mark.parametrize("precision, accumulate", [("fp32", 1), ("fp64", 2)])
+def test_two_processes_train_the_same_model_as_one(tmp_path, precision, accumulate):
+    # random Gaussian images: no always-zero pixel whose tiny gradient Adam would blow up
+    common = ["train.max_steps=5", "optim.lr=1e-3", f"train.accumulate={accumulate}", "train.log_every=5",
+              f"train.precision={precision}", "data.name=synthetic_images"]
+    one = _kiln("train", MLP, *common, f"train.output_dir={tmp_path / 'one'}")
+    two = _kiln("train", MLP, "--nproc", "2", *common, f"train.output_dir={tmp_path / 'two'}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = _only_run(tmp_path / "one"), _only_run(tmp_path / "two")
+    ca, cb = load_checkpoint(a / "checkpoints" / "final.pt"), load_checkpoint(b / "checkpoints" / "final.pt")
+    # The averaged gradients agree to fp32 rounding (Adam's first moment is their running mean) ...
+    moments = {k: ca["optimizer"]["state"][k]["exp_avg"] for k in ca["optimizer"]["state"]}
+    assert _max_rel(moments, {k: cb["optimizer"]["state"][k]["exp_avg"] for k in moments}) < 1e-6
+    # ... and the weights too: to 1e-12 in fp64; in fp32 Adam's m / sqrt(v) magnifies the last
+    # bit of near-zero gradients, so weights agree to a few 1e-6 of their largest value.
+    assert _max_rel(ca["model"], cb["model"]) < (1e-12 if precision == "fp64" else 1e-5)
+    sa = json.loads((a / "summary.json").read_text())
+    sb = json.loads((b / "summary.json").read_text())
+    assert sb["processes"] == 2 and sa["processes"] == 1
+    assert sb["final_train_loss"] == pytest.approx(sa["final_train_loss"], rel=1e-6)
+    # rank 0 alone wrote: one metrics header, one row per logged step
+    assert [r["step"] for r in read_metrics(b)] == ["5"]
+
+
+def test_batch_not_divisible_by_the_processes_is_refused_before_training(tmp_path):
+    out = _kiln("train", MLP, "--nproc", "2", "data.batch_size=63", "train.accumulate=1",
+                f"train.output_dir={tmp_path}")
+    assert out.returncode != 0
+    assert "data.batch_size=63" in out.stderr and "parallel.dp=2" in out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "train", MLP, "--nproc", "2", "train.max_steps=3000",
+         "train.checkpoint_every=20", "train.log_every=20", "train.eval_every=0", "parallel.timeout_s=60",
+         f"train.output_dir={tmp_path}", *extra],  # the later of two overrides wins
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/checkpoints/step-00000040.pt")):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    return proc, _only_run(tmp_path)
+
+
+def test_a_killed_rank_ends_the_run_with_a_clear_error_not_a_hang(tmp_path):
+    proc, run = _start_and_kill_a_rank(tmp_path)
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert time.monotonic() - start < 60  # bounded: torchrun's agent stops the survivors
+    assert proc.returncode == 1
+    assert "training failed" in err and f"kiln train --resume {run}" in err
+    assert json.loads((run / "summary.json").read_text())["status"] != "completed"
+    assert list((run / "checkpoints").glob("step-*.pt"))  # nothing lost
+
+
+def test_the_elastic_agent_restarts_the_group_and_training_resumes(tmp_path):
+    proc, run = _start_and_kill_a_rank(tmp_path, "--max-restarts", "1", "train.max_steps=400")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 400
+    assert summary["resumed"] and summary["resumed"][0]["step"] >= 40
+    steps = [int(r["step"]) for r in read_metrics(run)]
+    assert steps == sorted(set(steps)) and steps[-1] == 400
