@@ -167,11 +167,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
     shared = os.environ.get("KILN_RUN_DIR")
     if run_dir is None and shared and any((Path(shared) / "checkpoints").glob("*.pt")):
         run_dir = Path(shared)
+    if "LOCAL_RANK" in os.environ:
+        # A worker of torchrun: record the error, so the launcher can say what failed and where.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        train = record(train)
     if run_dir is not None:
         result = train(cfg, resume=run_dir)
     else:
         result = train(cfg, name=_run_name(Path(args.config)), run_dir=Path(shared) if shared else None)
     return 0 if result.summary.get("status") == "completed" else 1
+
+
+def _failure_text(failure: object) -> str:
+    """The error a torchrun worker recorded, or how it died."""
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if message and "To enable traceback" not in str(message):
+        return str(message).strip().splitlines()[0][:300]
+    code = getattr(failure, "exitcode", None)
+    if isinstance(code, int) and code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | None, output_dir: str,
@@ -190,8 +208,7 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
     try:
         torchrun(argv)
     except ChildFailedError as exc:
-        failures = "; ".join(f"rank {r}: {f.message or f'exit code {f.exitcode}'}"
-                             for r, f in sorted(exc.failures.items()))
+        failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
         print(f"kiln: error: training failed ({failures}). {run_dir} keeps its checkpoints; continue with "
               f"kiln train --resume {run_dir} --nproc {nproc}", file=sys.stderr)
         return 1

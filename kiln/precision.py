@@ -79,6 +79,9 @@ class LossScaler:
         if grads:
             # One fused pass per buffer: checks for inf/nan and multiplies by 1/scale.
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Under ZeRO each rank sees only its shard: every rank must skip the same steps.
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         self._found_inf, self._unscaled = found_inf, True
         return found_inf
 

@@ -79,6 +79,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: Optional[int] = None  # data-parallel ranks; None: the world size (kiln train --nproc N)
+    zero: Literal[0, 1, 2] = 0  # 0: replicated; 1: shard optimizer state; 2: and gradients (ZeRO)
     timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
 
 

@@ -318,7 +318,8 @@ class ZeroOptimizer(Optimizer):
             if self.world > 1:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
-            parts = [torch.linalg.vector_norm(g, p, dtype=torch.float32) ** p for g in grads]
+            parts = [torch.linalg.vector_norm(g, p, dtype=torch.promote_types(g.dtype, torch.float32)) ** p
+                 for g in grads]
             total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
             if self.world > 1:
                 dist.all_reduce(total, group=self.group)

@@ -34,7 +34,7 @@ import torch
 
 import kiln
 from kiln.config import save_config
-from kiln.parallel import all_reduce_gradients, broadcast_parameters, init_distributed
+from kiln.parallel import ZeroOptimizer, all_reduce_gradients, broadcast_parameters, init_distributed
 from kiln.precision import Precision
 from kiln.train._build import (
     build_data,
@@ -66,10 +66,22 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm; returns the norm before clipping."""
+    """Clip the global gradient norm (over all ranks' shards under ZeRO); returns the norm
+    before clipping."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.clip_grad_norm_(max_norm)
     import kiln.optim
 
     return kiln.optim.clip_grad_norm_(optimizer, max_norm)
+
+
+def _reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Average the gradients over the data-parallel ranks: one all-reduce per arena (zero=0)
+    or one reduce-scatter into this rank's shard (ZeRO-1/2)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.reduce_gradients()
+    else:
+        all_reduce_gradients(optimizer)
 
 
 def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
@@ -106,6 +118,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     if world > 1:
         broadcast_parameters(optimizer)  # rank 0's weights everywhere, whatever each rank built
         torch.manual_seed(tc.seed + rank)  # but each rank its own dropout masks
+        if cfg.parallel.zero:
+            # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
+            # contiguous shard of every arena; from here on only the wrapper is used.
+            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero)
     plain_model = model
     if tc.compile:
         from kiln.compile import apply_compile
@@ -206,7 +222,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 window_loss += loss.detach()
             # True fp32 gradients, averaged over the data-parallel ranks (one all-reduce per
             # arena, only now: the micro-steps before accumulated locally without any sync).
-            precision.finish_grads(optimizer, all_reduce_gradients if world > 1 else None)
+            precision.finish_grads(optimizer, _reduce_gradients if world > 1 else None)
             if tc.clip_grad_norm is not None:
                 grad_norm = clip_gradients(optimizer, tc.clip_grad_norm)
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
