@@ -59,6 +59,14 @@ _grad_of = operator.attrgetter("grad")
 _COMPILED: dict[str, Callable] = {}
 
 
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _kernel(fn: Callable, compiled: bool | None) -> Callable:
     """fn itself, or fn compiled once per process (dynamic shapes: one graph for every size)."""
     if compiled is None:
@@ -159,6 +167,11 @@ class ArenaOptimizer(Optimizer):
                 seen.add(id(p))
                 if p.is_sparse:
                     raise ValueError("kiln.optim does not support sparse parameters; use contiguous=False")
+                if _is_dtensor(p):
+                    raise TypeError(
+                        "kiln.optim: a parameter is a DTensor (FSDP2 fully_shard / tensor parallel): its "
+                        "shards cannot be packed into an arena. Build the optimizer with contiguous=False "
+                        "(multi-tensor mode), e.g. kiln.optim.AdamW(model.parameters(), contiguous=False)")
                 buckets.setdefault((p.device, p.dtype), []).append(p)
             plan.extend((gi, ps) for ps in buckets.values())
         nslots = sum(len(ps) for _, ps in plan)
@@ -461,9 +474,69 @@ class ArenaOptimizer(Optimizer):
                 st = self.state[p]
                 if not st:
                     self._init_list_state(p, st, group)
-                buckets.setdefault((p.device, p.dtype, self._list_key(p, st)), []).append(p)
-            for (_, _, key), ps in buckets.items():
-                self._update_list(group, ps, key)
+                dkey = (p.device_mesh, tuple(p.placements)) if _is_dtensor(p) else None
+                buckets.setdefault((p.device, p.dtype, dkey, self._list_key(p, st)), []).append(p)
+            for (_, _, dkey, key), ps in buckets.items():
+                if dkey is None:
+                    self._update_list(group, ps, key)
+                else:
+                    self._update_list_dtensor(group, ps, key)
+
+    # -- DTensor parameters (FSDP2 fully_shard, tensor parallel) ------------------------------
+    _list_norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def _tensor_norms(self, ts: list[torch.Tensor]) -> torch.Tensor:
+        """(S,) L2 norm of each tensor of ts; over DTensor shards, the norm of the full tensor
+        (squared local norms summed over the sharded mesh dimensions: one all-reduce)."""
+        from kiln.optim._optimizers import _list_norms
+
+        norms = _list_norms(ts)
+        return norms if self._list_norm_reduce is None else self._list_norm_reduce(norms)
+
+    def _update_list_dtensor(self, group: dict[str, Any], ps: list[torch.Tensor], key: Any) -> None:
+        """Run :meth:`_update_list` on the local shards of DTensor parameters (all on one mesh
+        with the same placements): parameters, gradients and state as plain local tensors, so
+        the fused / foreach kernels run unchanged; per-tensor norms (LAMB, LARS) are completed
+        over the mesh; state created during the update is wrapped back into DTensors."""
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements = ps[0].device_mesh, tuple(ps[0].placements)
+        sharded = [d for d, pl in enumerate(placements) if pl.is_shard()]
+        if any(pl.is_partial() for pl in placements):
+            raise ValueError(f"kiln.optim: parameters with Partial placements are not supported: {placements}")
+
+        def reduce(norms: torch.Tensor) -> torch.Tensor:
+            sq = norms.square()
+            for d in sharded:
+                torch.distributed.all_reduce(sq, group=mesh.get_group(d))
+            return sq.sqrt()
+
+        def local(t: Any) -> Any:
+            return t._local_tensor if isinstance(t, DTensor) else t
+
+        locs, saved, local_state = [], self.state, {}
+        for p in ps:
+            lp = p._local_tensor.detach()  # a view of the shard: updates land in the parameter
+            lp.grad = local(p.grad)
+            locs.append(lp)
+            local_state[lp] = {k: local(v) for k, v in saved[p].items()}
+        self.state = local_state  # type: ignore[assignment]
+        self._list_norm_reduce = reduce if sharded else None
+        try:
+            self._update_list(group, locs, key)
+        finally:
+            self.state = saved
+            self._list_norm_reduce = None
+        for p, lp in zip(ps, locs):
+            st = saved[p]
+            for k, v in local_state[lp].items():
+                old = st.get(k)
+                if old is v or (isinstance(old, DTensor) and old._local_tensor is v):
+                    continue
+                if torch.is_tensor(v) and k != "step" and v.shape == lp.shape:
+                    v = DTensor.from_local(v, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+                st[k] = v
+            lp.grad = None
 
     def _init_list_state(self, p: torch.Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
         st["step"] = torch.tensor(0.0)

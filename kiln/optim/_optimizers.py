@@ -314,7 +314,8 @@ class LAMB(ArenaOptimizer):
         step = key + 1
         u = _rules.lamb_direction(P, G, M, V, beta1=b1, beta2=b2, eps=group["eps"],
                                   weight_decay=group["weight_decay"], bc1=1 - b1 ** step, bc2=1 - b2 ** step)
-        r = _rules.trust_ratio(_list_norms(P.ts), _list_norms(u.ts), clip=group["trust_clip"])
+        norms = self._tensor_norms(P.ts + u.ts)  # full-tensor norms over DTensor shards
+        r = _rules.trust_ratio(norms[:len(ps)], norms[len(ps):], clip=group["trust_clip"])
         P.sub_(u.mul_(list((group["lr"] * r).unbind())))
         torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
 
@@ -375,7 +376,8 @@ class LARS(ArenaOptimizer):
                                             _rules.TensorList([d[k] for k in keep]), weight_decay=wd)
             for k, dk in zip(keep, decayed.ts):
                 d[k] = dk
-        q = _rules.trust_ratio(_list_norms(P.ts), _list_norms(d), eta=group["eta"])
+        norms = self._tensor_norms(P.ts + d)  # full-tensor norms over DTensor shards
+        q = _rules.trust_ratio(norms[:len(ps)], norms[len(ps):], eta=group["eta"])
         q = torch.where(torch.tensor(exclude), torch.ones_like(q), q)
         _rules.momentum_update(P, _rules.TensorList(torch._foreach_mul(d, list(q.unbind()))), B, lr=group["lr"],
                                momentum=group["momentum"], nesterov=group["nesterov"])

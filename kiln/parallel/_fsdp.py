@@ -1,0 +1,75 @@
+"""ZeRO-3 with FSDP2: :func:`apply_fsdp` shards a kiln model with ``fully_shard``.
+
+Every kiln model has an ``nn.ModuleList`` ``blocks``; each block becomes one FSDP unit (its
+parameters all-gathered for its forward and backward, re-sharded after), then the root takes
+the rest (embeddings, head). Parameters become DTensors sharded on dim 0 over the mesh.
+
+Per step, on every rank (FSDP2 reduce-scatters and averages the gradients during backward)::
+
+    model = apply_fsdp(model)                                   # before building the optimizer
+    opt = kiln.optim.AdamW(model.parameters(), contiguous=False)  # multi-tensor over the shards
+    for step in ...:
+        loss_fn(model(x_rank)).backward()       # x_rank: this rank's part of the global batch
+        total = kiln.parallel.clip_grad_norm_(model.parameters(), 1.0)  # optional, global norm
+        opt.step(); opt.zero_grad()
+
+kiln's optimizers run on the local shards (fused AdamW/Adam/SGD kernels unchanged); LAMB and
+LARS complete their per-tensor norms with one all-reduce of the vector of squared partial norms.
+For gradient accumulation, ``model.set_requires_gradient_sync(False)`` on all but the last
+micro-batch skips the reduce-scatters (FSDP2's API).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["apply_fsdp", "clip_grad_norm_", "is_fsdp"]
+
+
+def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 (``fully_shard`` on each of ``model.blocks``, then
+    on the root) and return it. ``mesh``: a 1-D ``DeviceMesh`` (default: all ranks on the
+    model's device type); ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g.
+    ``param_dtype=torch.bfloat16``). Call after the process group is initialised and before
+    the optimizer is built; every rank must build the same model (same seed), as FSDP2 keeps
+    each rank's own shard of the values it finds."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("apply_fsdp needs an initialised process group (kiln.parallel.init_distributed)")
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(f"apply_fsdp expects a kiln model with an nn.ModuleList 'blocks'; {type(model).__name__} has none")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        p = next(model.parameters(), None)
+        device_type = p.device.type if p is not None else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    kw = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by FSDP2 (its parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for DTensor (FSDP2) gradients: the norm of the full
+    gradients over all ranks; returns it as a plain tensor (the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type, error_if_nonfinite)
+    return total.full_tensor() if isinstance(total, DTensor) else total
