@@ -183,3 +183,16 @@ def test_compile_switch_matches_eager_and_reports_compile_time(tmp_path):
     assert c["compile_seconds"] > 0 and e["compile_seconds"] is None
     assert c["final_train_loss"] == pytest.approx(e["final_train_loss"], rel=1e-5)
     assert _final(compiled).keys() == _final(eager).keys()  # checkpoints hold the plain model's keys
+
+
+def test_tune_measures_every_candidate_and_recommends_the_fastest(capsys):
+    from kiln.tune import candidates, tune
+
+    assert len(candidates()) == 8 and len(candidates(compile=True)) == 16
+    rows = tune(MLP, steps=3, keys=["optim.contiguous"])
+    assert sorted(" ".join(r["overrides"]) for r in rows) == ["optim.contiguous=false", "optim.contiguous=true"]
+    assert rows[0]["samples_per_second"] >= rows[1]["samples_per_second"] > 0
+    assert main(["tune", MLP, "--steps", "1"]) == 2
+    assert "--steps 1" in capsys.readouterr().err
+    out = subprocess.run([sys.executable, "-m", "kiln", "tune", "--help"], capture_output=True, text=True).stdout
+    assert "samples/s" in out
