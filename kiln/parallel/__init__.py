@@ -9,13 +9,17 @@
 
 - zero=3: :func:`apply_fsdp` (FSDP2 ``fully_shard`` per block, then the root); kiln's
   optimizers with ``contiguous=False`` step the DTensor shards; :func:`clip_grad_norm_`.
+- :func:`save_sharded` / :func:`load_sharded`: DCP checkpoints keyed per parameter (FQN) that
+  load at any world size into plain, ZeRO-1/2 or FSDP2 runs.
 
 See :mod:`kiln.parallel._zero` for the per-step call order a trainer follows.
 """
 
+from kiln.parallel._checkpoint import load_sharded, save_sharded
 from kiln.parallel._dist import init_distributed, is_main, rank, world_size
 from kiln.parallel._fsdp import apply_fsdp, clip_grad_norm_, is_fsdp
 from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters
 
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
-           "broadcast_parameters", "all_reduce_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp"]
+           "broadcast_parameters", "all_reduce_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
+           "save_sharded", "load_sharded"]
