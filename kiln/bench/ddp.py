@@ -192,13 +192,22 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
+    import os
+
     steps, warmup, rounds = (QUICK_STEPS, QUICK_WARMUP, QUICK_ROUNDS) if quick else (STEPS, WARMUP, ROUNDS)
+    load_before = os.getloadavg()[0]
     rows = _measure(("vit", "gpt"), steps, warmup, rounds)
+    # 2 processes x 1 thread only scale when 2 cores are free: a 1-minute load average above
+    # (cores - 2) while measuring means other work took cores from the 2-process side.
+    machine = {"cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
+               "load_1min_after": os.getloadavg()[0]}
     report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW",
                         "steps": steps, "warmup": warmup, "rounds": rounds, "vit": VIT, "gpt": GPT},
-              "rows": rows}
+              "machine": machine, "rows": rows}
     table = _table(rows)
     print(table)
+    print(f"machine: {machine['cpus']} cpus, 1-min load average {load_before:.1f} before, "
+          f"{machine['load_1min_after']:.1f} after (other work competes with the 2 processes when it is high)")
     (out_dir / "ddp.json").write_text(json.dumps(report, indent=2))
     (out_dir / "ddp.txt").write_text(table + "\n")
     _plot(rows, out_dir / "ddp.png")
