@@ -47,8 +47,13 @@ def init_distributed(timeout_s: float = 600) -> tuple[int, int]:
     backend = backend_for()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store, rank_, world = next(dist.rendezvous("env://", rank=int(os.environ["RANK"]), world_size=world,
+                                               timeout=timeout))
+    # After an elastic restart the agent's store still holds the previous attempt's keys, and
+    # gloo could read a dead rank's address from them: give every attempt its own key space.
+    store = dist.PrefixStore(f"kiln/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

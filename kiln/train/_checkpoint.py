@@ -135,3 +135,23 @@ def prune(run_dir: Path, keep: int) -> None:
     found = step_checkpoints(run_dir)
     for _, path in found[: max(0, len(found) - keep)]:
         path.unlink(missing_ok=True)
+
+
+def checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to continue ``run_dir`` from, after checking it matches ``cfg``."""
+    from kiln.config import ConfigError
+
+    path, ckpt = latest(run_dir)
+    mismatch = config_mismatch(ckpt.get("config") or {}, plain(cfg))
+    if mismatch:
+        raise ConfigError(
+            f"{run_dir}/config.yaml does not match checkpoint {path.name}: " + "; ".join(mismatch)
+            + ". Resume with the config the checkpoint was trained with, or start a new run"
+        )
+    return path, ckpt
+
+
+def plain(cfg: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -1,11 +1,12 @@
 """kiln's training loop: one function, read top to bottom.
 
-    build (data, model [+ activation checkpointing], optimizer, schedule [, compile])
-    create the run directory
+    build (data, model [+ activation checkpointing], optimizer [+ ZeRO], schedule [, compile])
+    create the run directory (rank 0), or reopen it to resume
     for each optimizer step:
         for each of train.accumulate micro-batches:
-            forward under autocast -> loss / K -> (scaled) backward
-        unscale -> clip (optional) -> optimizer step (skipped on fp16 overflow)
+            forward under autocast -> loss / K -> (scaled) backward, no communication
+        finish the gradients: average over ranks, unscale (fp16) or copy to fp32 masters (bf16-true)
+        -> clip (optional) -> optimizer step (skipped on fp16 overflow)
         -> schedule step -> zero the gradients
         log every train.log_every steps, evaluate every train.eval_every steps
     final evaluation -> final checkpoint -> summary.json -> loss.png
@@ -45,9 +46,11 @@ from kiln.train._build import (
     seed_everything,
 )
 from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
-from kiln.train._checkpoint import config_mismatch, latest, prune, rng_state, set_rng_state
+from kiln.train._batches import Batches
+from kiln.train._checkpoint import checkpoint_to_resume, plain, prune, rng_state, set_rng_state
 from kiln.train._plot import plot_loss
 from kiln.train._progress import Progress
+from kiln.train._ranks import NullRun, broadcast_path, data_parallel_size, gather, mean_over_ranks
 from kiln.train._run_dir import CONFIG, RunDir
 from kiln.train._tasks import evaluate, loss_fn, metric_names
 
@@ -98,12 +101,12 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         torch.set_num_threads(tc.threads)
     rank, world = init_distributed(cfg.parallel.timeout_s)
     main = rank == 0
-    dp = _data_parallel_size(cfg, world)
+    dp = data_parallel_size(cfg, world)
     device = pick_device(tc.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
     seed_everything(tc.seed)  # the same on every rank: identical initial weights
-    resumed = _checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
+    resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
 
     # ---- build everything before touching the disk --------------------------------------
     precision = Precision(tc.precision, device)
@@ -158,17 +161,17 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         window_steps = ckpt["window"]["steps"]
         train_seconds, samples_seen = ckpt["totals"]["train_seconds"], ckpt["totals"]["samples_seen"]
         elapsed_before = ckpt["totals"]["wall_seconds"]
-    batches = _Batches(data.train, epoch, position)  # replays the skipped part of the epoch
+    batches = Batches(data.train, epoch, position)  # replays the skipped part of the epoch
     if resumed is not None:  # after the replay, which may have drawn random numbers
         per_rank = resumed[1]["rng"]
         set_rng_state(per_rank[rank] if len(per_rank) == world else per_rank[0])
 
     # ---- the run directory ---------------------------------------------------------------
     if not main:
-        run = _NullRun(_broadcast_path(None))  # rank 0 alone writes; the others only learn where
+        run = NullRun(broadcast_path(None))  # rank 0 alone writes; the others only learn where
     elif resumed is None:
         run = RunDir.open(Path(run_dir)) if run_dir is not None else RunDir.create(tc.output_dir, tc.run_name or name)
-        _broadcast_path(run.path)
+        broadcast_path(run.path)
         save_config(cfg, run.path / CONFIG)
         run.write_summary(
             status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
@@ -177,7 +180,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         )
     else:
         run = RunDir.open(Path(resume))
-        _broadcast_path(run.path)
+        broadcast_path(run.path)
         run.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
         save_config(cfg, run.path / CONFIG)  # may extend max_steps
         run.write_summary(status="running", total_steps=total_steps,
@@ -196,11 +199,11 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             "model": plain_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "precision": precision.state_dict(),
             "best": best.state_dict() if best else None, "step": step,
-            "data": {"epoch": batches.epoch, "position": batches.position}, "rng": _gather(rng_state(), world),
+            "data": {"epoch": batches.epoch, "position": batches.position}, "rng": gather(rng_state(), world),
             "window": {"loss": window_loss.detach().cpu().clone(), "steps": window_steps},
             "totals": {"train_seconds": train_seconds, "samples_seen": samples_seen,
                        "wall_seconds": elapsed_before + time.perf_counter() - wall_start},
-            "config": _plain(cfg), "kiln_version": kiln.__version__,
+            "config": plain(cfg), "kiln_version": kiln.__version__,
         }
 
     window_start = time.perf_counter()
@@ -236,7 +239,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             row: dict[str, Any] = {}
             if step % tc.log_every == 0 or step == total_steps:
                 # note: .item() waits for the device; done once per log window, not per step
-                last_train_loss = _mean_over_ranks(window_loss / window_steps, world).item()
+                last_train_loss = mean_over_ranks(window_loss / window_steps, world).item()
                 elapsed = time.perf_counter() - window_start
                 if compile_seconds is not None and step - start_step <= tc.log_every:
                     elapsed -= compile_seconds  # the compiling first step is not training speed
@@ -281,7 +284,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                     prune(run.path, tc.keep_checkpoints)
 
         if stopped and window_steps:  # the loss of the steps since the last log
-            last_train_loss = _mean_over_ranks(window_loss / window_steps, world).item()
+            last_train_loss = mean_over_ranks(window_loss / window_steps, world).item()
         run.save_checkpoint("final", checkpoint(step))
         summary = dict(
             status="completed", steps=step,
@@ -324,129 +327,6 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             import torch.distributed as dist
 
             dist.destroy_process_group()
-
-
-def _data_parallel_size(cfg: Any, world: int) -> int:
-    from kiln.config import ConfigError
-
-    dp = cfg.parallel.dp if cfg.parallel.dp is not None else world
-    if dp != world:
-        raise ConfigError(f"parallel.dp={dp} but {world} process(es) were started; start dp processes "
-                          f"(kiln train ... --nproc {dp}) or set parallel.dp={world}")
-    if cfg.data.batch_size % (dp * cfg.train.accumulate):
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp={dp} x "
-            f"train.accumulate={cfg.train.accumulate}; each rank needs a whole micro-batch"
-        )
-    return dp
-
-
-def _broadcast_path(path: Path | None) -> Path:
-    """Rank 0's run directory, on every rank (a no-op in one process)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return path
-    box = [str(path) if path is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
-def _gather(obj: Any, world: int) -> list[Any]:
-    """``obj`` from every rank, in rank order (a one-element list in one process)."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _mean_over_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
-    if world == 1:
-        return x
-    import torch.distributed as dist
-
-    x = x.detach().clone()
-    dist.all_reduce(x)
-    return x / world
-
-
-class _NullRun:
-    """The run directory as seen from ranks other than 0: it writes nothing."""
-
-    def __init__(self, path: Path):
-        self.path, self.summary = path, {}
-
-    def write_summary(self, **updates: Any) -> None:
-        self.summary.update(updates)
-
-    def save_checkpoint(self, name: str, state: dict[str, Any]) -> None:
-        return None
-
-    def open_metrics(self, fields: list[str]) -> None:
-        return None
-
-    def log_metrics(self, row: dict[str, Any]) -> None:
-        return None
-
-    def truncate_metrics(self, after_step: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
-def _checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint to continue ``run_dir`` from, after checking it matches ``cfg``."""
-    from kiln.config import ConfigError
-
-    path, ckpt = latest(run_dir)
-    mismatch = config_mismatch(ckpt.get("config") or {}, _plain(cfg))
-    if mismatch:
-        raise ConfigError(
-            f"{run_dir}/config.yaml does not match checkpoint {path.name}: " + "; ".join(mismatch)
-            + ". Resume with the config the checkpoint was trained with, or start a new run"
-        )
-    return path, ckpt
-
-
-def _plain(cfg: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-class _Batches:
-    """``next()`` gives ``(epoch, micro_batch)`` forever. Built at ``(epoch, position)`` it
-    replays the first ``position`` batches of that epoch, so a resumed run sees exactly the
-    batches an uninterrupted one would (the order depends only on the seed and the epoch)."""
-
-    def __init__(self, loader: Any, epoch: int = 0, position: int = 0):
-        self.loader = loader
-        if position >= len(loader):  # saved at the very end of an epoch
-            epoch, position = epoch + 1, 0
-        self.epoch, self.position = epoch, 0
-        self._it = self._start()
-        for _ in range(position):
-            next(self)
-
-    def _start(self) -> Any:
-        set_epoch = getattr(self.loader, "set_epoch", None) or getattr(self.loader.sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(self.epoch)
-        return iter(self.loader)
-
-    def __next__(self) -> tuple[int, Any]:
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._it = self._start()
-            batch = next(self._it)
-        self.position += 1
-        return self.epoch, batch
 
 
 def _round(x: Any) -> Any:
