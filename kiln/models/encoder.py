@@ -52,23 +52,18 @@ def _drop_threshold(p: float) -> tuple[int, float]:
     return -(2**15) + dropped, _LANES / (_LANES - dropped)
 
 
-@torch.compiler.disable
 def random_bits16(numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``numel`` uniform random int16 values, drawn from torch's default generator.
-
-    One 64-bit draw gives four lanes, so this asks the generator for a quarter as many
-    numbers as ``torch.rand`` would (about 4x faster on CPU, where the generator is serial).
-    Because the bits come from torch's generator, ``torch.manual_seed`` makes them
-    reproducible and activation checkpointing (``preserve_rng_state``) redraws the same ones.
-    Kept out of ``torch.compile`` graphs: inductor would otherwise lower ``random_`` to its
-    own per-element Philox, which is slower on CPU.
+    """``numel`` uniform random int16 values, drawn from torch's default generator (see
+    :func:`kiln.models._bits.random_bits16`, kept out of ``torch.compile`` graphs).
 
     >>> random_bits16(6).dtype, random_bits16(6).shape
     (torch.int16, torch.Size([6]))
     """
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
-    words.random_(-(2**63), None)  # the full 64-bit range: every bit uniform
-    return words.view(torch.int16)[:numel]
+    # Imported on first use: marking a function as not compilable imports torch._dynamo (about
+    # 1 s), which `import kiln.models` must not pay.
+    from kiln.models._bits import random_bits16 as draw
+
+    return draw(numel, device)
 
 
 def fast_dropout(x: torch.Tensor, p: float, training: bool = True, bits: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,10 +15,24 @@
 See :mod:`kiln.parallel._zero` for the per-step call order a trainer follows.
 """
 
-from kiln.parallel._checkpoint import load_sharded, save_sharded
+import importlib
+from typing import Any
+
 from kiln.parallel._dist import init_distributed, is_main, rank, world_size
-from kiln.parallel._fsdp import apply_fsdp, clip_grad_norm_, is_fsdp
 from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters
+
+# FSDP2 and DCP take most of a second to import: loaded when first used, not by every trainer.
+_LAZY = {"apply_fsdp": "_fsdp", "clip_grad_norm_": "_fsdp", "is_fsdp": "_fsdp",
+         "save_sharded": "_checkpoint", "load_sharded": "_checkpoint"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kiln.parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kiln.parallel.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "broadcast_parameters", "all_reduce_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
