@@ -120,3 +120,23 @@ def test_the_elastic_agent_restarts_the_group_and_training_resumes(tmp_path):
     assert summary["resumed"] and summary["resumed"][0]["step"] >= 40
     steps = [int(r["step"]) for r in read_metrics(run)]
     assert steps == sorted(set(steps)) and steps[-1] == 400
+
+
+@pytest.mark.parametrize("first, then", [(("--nproc", "2", "parallel.zero=2"), ("parallel.zero=0",)),
+                                         ((), ("--nproc", "2", "parallel.zero=1"))])
+def test_a_checkpoint_resumes_under_another_layout(tmp_path, first, then):
+    common = ["train.max_steps=10", "train.checkpoint_every=5", "train.keep_checkpoints=5", "optim.lr=1e-3",
+              "data.name=synthetic_images", "train.precision=fp64", "train.log_every=5"]
+    whole = _kiln("train", MLP, *first, *common, f"train.output_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    run = _only_run(tmp_path / "whole")
+    expected = load_checkpoint(run / "checkpoints" / "final.pt")
+    for name in ("final.pt", "step-00000010.pt", "best.pt"):
+        (run / "checkpoints" / name).unlink(missing_ok=True)
+    again = _kiln("train", "--resume", str(run), *then)
+    assert again.returncode == 0, again.stderr[-2000:]
+    got = load_checkpoint(run / "checkpoints" / "final.pt")
+    assert _max_rel(expected["model"], got["model"]) < 1e-12
+    state = expected["optimizer"]["state"]
+    assert _max_rel({k: v["exp_avg_sq"] for k, v in state.items()},
+                    {k: v["exp_avg_sq"] for k, v in got["optimizer"]["state"].items()}) < 1e-12

@@ -26,6 +26,9 @@ RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.progress",
     "train.checkpoint_every", "train.keep_checkpoints", "train.output_dir", "train.run_name",
     "train.loggers", "train.early_stopping",
+    # the layout: checkpoints hold full, unsharded state, and every layout computes the same step
+    "parallel.dp", "parallel.zero", "parallel.timeout_s", "data.workers", "data.persistent_workers",
+    "data.prefetch_factor", "data.pin_memory",
 )
 
 _STEP_FILE = re.compile(r"step-(\d+)\.pt$")
