@@ -35,7 +35,7 @@ def _max_rel(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("precision, accumulate, zero, optim", [
     ("fp32", 1, 0, "adamw"), ("fp64", 2, 0, "adamw"), ("fp64", 2, 1, "adamw"), ("fp64", 1, 2, "lamb"),
-    ("fp32", 2, 2, "adamw"),
+    ("fp32", 2, 2, "adamw"), ("fp64", 2, 3, "adamw"), ("fp64", 1, 3, "lamb"),
 ])
 def test_two_processes_train_the_same_model_as_one(tmp_path, precision, accumulate, zero, optim):
     # random Gaussian images: no always-zero pixel whose tiny gradient Adam would blow up
@@ -123,7 +123,9 @@ def test_the_elastic_agent_restarts_the_group_and_training_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("first, then", [(("--nproc", "2", "parallel.zero=2"), ("parallel.zero=0",)),
-                                         ((), ("--nproc", "2", "parallel.zero=1"))])
+                                         ((), ("--nproc", "2", "parallel.zero=1")),
+                                         (("--nproc", "2", "parallel.zero=3"), ("parallel.zero=0",)),
+                                         ((), ("--nproc", "2", "parallel.zero=3"))])
 def test_a_checkpoint_resumes_under_another_layout(tmp_path, first, then):
     common = ["train.max_steps=10", "train.checkpoint_every=5", "train.keep_checkpoints=5", "optim.lr=1e-3",
               "data.name=synthetic_images", "train.precision=fp64", "train.log_every=5"]

@@ -238,8 +238,11 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
     if train["precision"] == "bf16-true" and cfg["parallel"]["zero"]:
         raise ConfigError("train.precision=bf16-true with parallel.zero>0 is not supported yet; "
                           "use parallel.zero=0 or train.precision=bf16-mixed")
-    if cfg["parallel"]["zero"] and not cfg["optim"]["contiguous"]:
+    if cfg["parallel"]["zero"] in (1, 2) and not cfg["optim"]["contiguous"]:
         raise ConfigError(f"parallel.zero={cfg['parallel']['zero']} shards kiln's arena; set optim.contiguous=true")
+    if cfg["parallel"]["zero"] == 3 and train["precision"] == "fp16-mixed":
+        raise ConfigError("parallel.zero=3 with train.precision=fp16-mixed is not supported yet; "
+                          "use bf16-mixed (no loss scaling needed)")
     if train["keep_checkpoints"] < 1:
         raise ConfigError(f"train.keep_checkpoints={train['keep_checkpoints']} must be at least 1")
     if cfg["optim"]["lr"] <= 0:

@@ -79,7 +79,9 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: Optional[int] = None  # data-parallel ranks; None: the world size (kiln train --nproc N)
-    zero: Literal[0, 1, 2] = 0  # 0: replicated; 1: shard optimizer state; 2: and gradients (ZeRO)
+    # ZeRO over the data-parallel ranks: 0 replicated; 1 shard the optimizer state; 2 and the
+    # gradients (both on kiln's arena); 3 and the parameters (FSDP2, multi-tensor optimizer)
+    zero: Literal[0, 1, 2, 3] = 0
     timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
 
 

@@ -108,8 +108,9 @@ def param_groups(model: nn.Module, no_decay_1d: bool) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(optim_cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
-    """kiln's optimizer named by ``optim.name``, over the model's parameter groups."""
+def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = None) -> torch.optim.Optimizer:
+    """kiln's optimizer named by ``optim.name``, over the model's parameter groups
+    (``contiguous`` overrides ``optim.contiguous``: FSDP2's DTensor shards need list mode)."""
     import kiln.optim
 
     name = optim_cfg.name
@@ -117,7 +118,8 @@ def build_optimizer(optim_cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     groups = param_groups(model, optim_cfg.no_decay_1d)
-    return kiln.optim.OPTIMIZERS[name](groups, lr=optim_cfg.lr, contiguous=optim_cfg.contiguous, **kwargs)
+    contiguous = optim_cfg.contiguous if contiguous is None else contiguous
+    return kiln.optim.OPTIMIZERS[name](groups, lr=optim_cfg.lr, contiguous=contiguous, **kwargs)
 
 
 def build_scheduler(optim_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:

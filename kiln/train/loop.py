@@ -37,6 +37,7 @@ import kiln
 from kiln.config import save_config
 from kiln.parallel import ZeroOptimizer, all_reduce_gradients, broadcast_parameters, init_distributed
 from kiln.precision import Precision
+from kiln.train._batches import Batches
 from kiln.train._build import (
     build_data,
     build_model,
@@ -46,8 +47,13 @@ from kiln.train._build import (
     seed_everything,
 )
 from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
-from kiln.train._batches import Batches
 from kiln.train._checkpoint import checkpoint_to_resume, plain, prune, rng_state, set_rng_state
+from kiln.train._fsdp_state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from kiln.train._plot import plot_loss
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, data_parallel_size, gather, mean_over_ranks
@@ -68,9 +74,14 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
+                   fsdp_model: torch.nn.Module | None = None) -> torch.Tensor:
     """Clip the global gradient norm (over all ranks' shards under ZeRO); returns the norm
     before clipping."""
+    if fsdp_model is not None:
+        from kiln.parallel import clip_grad_norm_
+
+        return clip_grad_norm_(fsdp_model.parameters(), max_norm)
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.clip_grad_norm_(max_norm)
     import kiln.optim
@@ -116,12 +127,20 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         from kiln.memory import apply_ac
 
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
-    optimizer = build_optimizer(cfg.optim, model)  # after .to(): the arena lives on the device
+    fsdp = world > 1 and cfg.parallel.zero == 3
+    if fsdp:
+        from kiln.parallel import apply_fsdp
+
+        # ZeRO-3: FSDP2 shards every block's parameters; the optimizer then steps the local
+        # shards in multi-tensor mode (there is no one flat arena to slice).
+        model = apply_fsdp(model)
+    optimizer = build_optimizer(cfg.optim, model, contiguous=False if fsdp else None)
     precision.attach(model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
     if world > 1:
-        broadcast_parameters(optimizer)  # rank 0's weights everywhere, whatever each rank built
+        if not fsdp:  # (FSDP2 kept each rank's shard of identical, same-seed weights)
+            broadcast_parameters(optimizer)  # rank 0's weights everywhere, whatever each rank built
         torch.manual_seed(tc.seed + rank)  # but each rank its own dropout masks
-        if cfg.parallel.zero:
+        if cfg.parallel.zero in (1, 2):
             # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
             # contiguous shard of every arena; from here on only the wrapper is used.
             optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero)
@@ -150,8 +169,12 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     window_steps, train_seconds, samples_seen, elapsed_before = 0, 0.0, 0, 0.0
     if resumed is not None:
         ckpt = resumed[1]
-        plain_model.load_state_dict(ckpt["model"])  # copies into the arena; never assign=True
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if fsdp:
+            load_full_model_state(plain_model, ckpt["model"])
+            load_full_optimizer_state(optimizer, ckpt["optimizer"])
+        else:
+            plain_model.load_state_dict(ckpt["model"])  # copies into the arena; never assign=True
+            optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         precision.load_state_dict(ckpt["precision"])
         if best is not None and ckpt.get("best"):
@@ -196,7 +219,9 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     def checkpoint(step: int) -> dict[str, Any]:
         # Every rank takes part (the RNG states are gathered); rank 0 alone writes the file.
         return {
-            "model": plain_model.state_dict(), "optimizer": optimizer.state_dict(),
+            # full, unsharded state in every layout, so that any layout can resume from it
+            "model": full_model_state(plain_model) if fsdp else plain_model.state_dict(),
+            "optimizer": full_optimizer_state(optimizer) if fsdp else optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "precision": precision.state_dict(),
             "best": best.state_dict() if best else None, "step": step,
             "data": {"epoch": batches.epoch, "position": batches.position}, "rng": gather(rng_state(), world),
@@ -225,9 +250,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 window_loss += loss.detach()
             # True fp32 gradients, averaged over the data-parallel ranks (one all-reduce per
             # arena, only now: the micro-steps before accumulated locally without any sync).
-            precision.finish_grads(optimizer, _reduce_gradients if world > 1 else None)
+            # (FSDP2 reduce-scattered them during backward already.)
+            precision.finish_grads(optimizer, _reduce_gradients if world > 1 and not fsdp else None)
             if tc.clip_grad_norm is not None:
-                grad_norm = clip_gradients(optimizer, tc.clip_grad_norm)
+                grad_norm = clip_gradients(optimizer, tc.clip_grad_norm, plain_model if fsdp else None)
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
                 scheduler.step()
             precision.zero_grad(optimizer)  # kiln's optimizers: one memset of the flat gradient
