@@ -171,10 +171,9 @@ def _cpu_parallelism(processes: int, n: int = 2_000_000) -> float:
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))

@@ -151,10 +151,9 @@ def _print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1.5))

@@ -175,10 +175,9 @@ def _spawn(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{r['ac']}\n{r['precision']}" for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

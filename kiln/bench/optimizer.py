@@ -231,10 +231,9 @@ def _print_table(results: dict[str, Any]) -> None:
 
 
 def _plot(results: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layouts = list(results["layouts"])
     fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5))

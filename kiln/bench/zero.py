@@ -107,10 +107,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     measured = [r for r in rows if not r.get("not_yet")]
     labels = [f"dp={r['dp']}\nzero {r['stage']}" for r in measured]

@@ -1,4 +1,4 @@
-"""Loss curves: ``loss.png`` in a run directory (matplotlib is imported only here)."""
+"""Loss curves: ``loss.png`` in a run directory."""
 
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float
 
 def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Train and eval loss against step, from ``metrics.csv``."""
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)

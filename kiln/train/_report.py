@@ -50,10 +50,9 @@ def check_runs(paths: list[str]) -> list[Path]:
 
 def plot(runs: list[Path], out: Path) -> Path:
     """Train loss, eval loss and eval accuracy of every run against step, in one figure."""
-    import matplotlib
+    from kiln._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("train_loss", "train loss", True), ("eval_loss", "eval loss", True),
