@@ -40,6 +40,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        # no rank may tear down its connections while another still waits on it (gloo aborts)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -331,6 +331,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         if main:
             plot_loss(run.path)
         run.write_summary(**summary)  # last: "completed" only once everything else is on disk
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank closes its connections while another still uses them
         progress.close()
         shown = "  ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
         progress.message(
