@@ -387,17 +387,8 @@ class ArenaOptimizer(Optimizer):
         if not received:
             return []
         self._ensure_state(pack, group)
-        i = 0
-        n = len(pack.params)
-        while i < n:
-            if not recv[i]:
-                i += 1
-                continue
-            j = i + 1
-            while j < n and recv[j] and steps[j] == steps[i]:
-                j += 1
-            self._update_flat(pack, group, i, j, steps[i] + 1)
-            i = j
+        for i, j, step in step_runs(recv, steps):
+            self._update_flat(pack, group, i, j, step)
         idx = torch.tensor(received, dtype=torch.int64)
         pack.step_vec[idx] += 1
         pack.set_uniform()
@@ -554,6 +545,23 @@ class ArenaOptimizer(Optimizer):
     def _lists(self, ps: list[torch.Tensor], *names: str) -> list[TensorList]:
         return [TensorList(ps), TensorList([p.grad for p in ps])] + [
             TensorList([self.state[p][n] for p in ps]) for n in names]
+
+
+def step_runs(mask: Any, steps: list[int]) -> list[tuple[int, int, int]]:
+    """The runs ``(i, j, step)`` of consecutive segments ``i..j-1`` whose ``mask`` is set and
+    whose step counts are equal, with the step number to apply: what one update call over a
+    range of the arena can cover (unset segments, frozen or without a gradient, split it)."""
+    runs, i, n = [], 0, len(steps)
+    while i < n:
+        if not mask[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and mask[j] and steps[j] == steps[i]:
+            j += 1
+        runs.append((i, j, steps[i] + 1))
+        i = j
+    return runs
 
 
 def _flat_args(pack: _Pack, i: int, j: int, *names: str) -> list[torch.Tensor]:

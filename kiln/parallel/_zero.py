@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from kiln.optim import ArenaOptimizer, ArenaSlice
-from kiln.optim._base import _Pack
+from kiln.optim._base import _Pack, step_runs
 from kiln.optim._optimizers import _norm_dtype
 
 __all__ = ["ZeroOptimizer", "broadcast_parameters", "all_reduce_gradients"]
@@ -371,17 +371,7 @@ class ZeroOptimizer(Optimizer):
         if pk.uniform and trainable == pk.all_ones:
             runs = [(0, n, pk.step + 1)]
         else:
-            steps = [int(s) for s in pk.step_vec.tolist()]
-            runs, i = [], 0
-            while i < n:
-                if not trainable[i]:
-                    i += 1
-                    continue
-                j = i + 1
-                while j < n and trainable[j] and steps[j] == steps[i]:
-                    j += 1
-                runs.append((i, j, steps[i] + 1))
-                i = j
+            runs = step_runs(trainable, [int(s) for s in pk.step_vec.tolist()])
         if not runs:
             return
         opt._ensure_state(sp, group)
