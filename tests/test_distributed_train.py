@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.train import load_checkpoint, read_metrics
 

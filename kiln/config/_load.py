@@ -16,7 +16,6 @@ import difflib
 import inspect
 import os
 import runpy
-import typing
 from pathlib import Path
 from typing import Any, Iterable
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
 
 __all__ = ["build_loader", "infinite", "resolve_workers", "worker_seed", "shard_iterable"]
 

@@ -73,10 +73,11 @@ def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Read a checkpoint safely; a damaged file is a CheckpointError naming it."""
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Read a kiln checkpoint without executing code from it (``weights_only=True``); a
+    damaged file is a CheckpointError naming it."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # truncated zip, bad pickle, unsafe global: all mean "unusable"
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
@@ -99,12 +100,12 @@ def latest(run_dir: Path) -> tuple[Path, dict[str, Any]]:
         )
     newest = candidates[-1]
     try:
-        return newest, load(newest)
+        return newest, load_checkpoint(newest)
     except CheckpointError as exc:
         good = None
         for path in reversed(candidates[:-1]):
             try:
-                load(path)
+                load_checkpoint(path)
                 good = path
                 break
             except CheckpointError:

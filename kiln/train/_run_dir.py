@@ -141,8 +141,3 @@ def _fmt(value: Any) -> Any:
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
     with open(Path(run_dir) / METRICS, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a kiln checkpoint without executing code from it (``weights_only=True``)."""
-    return torch.load(path, map_location=map_location, weights_only=True)
