@@ -289,3 +289,39 @@ def test_infinite_rejects_empty_loader():
     loader = build_loader(TensorDataset(torch.arange(3)), 4, shuffle=False, seed=0, drop_last=True)
     with pytest.raises(ValueError, match="no batches"):
         next(infinite(loader))
+
+
+# --------------------------------------------------------------------------- generated text corpus
+
+
+def test_text_lm_targets_are_the_next_byte_and_the_corpus_is_reproducible():
+    from kiln.data import build_dataset
+
+    a = build_dataset("text_lm", seed=0, num_samples=64, seq_len=32, val_samples=8)
+    b = build_dataset("text_lm", seed=7, num_samples=64, seq_len=32, val_samples=8)  # training seed: no effect
+    x, y = a.train.tensors
+    assert x.shape == y.shape == (64, 32) and a.task == "lm" and a.num_classes == 256
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x, b.train.tensors[0])
+    assert int(x.max()) < 128  # ASCII text
+    # Held-out text is a different draw of the grammar, not a slice of the training text.
+    assert not torch.equal(a.val.tensors[0][:8], x[:8])
+    other = build_dataset("text_lm", corpus_seed=1, num_samples=64, seq_len=32, val_samples=8)
+    assert not torch.equal(other.train.tensors[0], x)
+
+
+def test_text_mlm_scores_the_same_number_of_positions_in_every_sequence():
+    from kiln.data import build_dataset
+    from kiln.data._text import IGNORE_INDEX, MASK_ID, _windows
+
+    splits = build_dataset("text_mlm", num_samples=200, seq_len=40, val_samples=8, mask_prob=0.15)
+    inputs, targets = splits.train.tensors
+    scored = targets != IGNORE_INDEX
+    assert scored.sum(dim=1).eq(6).all()  # round(0.15 * 40)
+    text = _windows(0, 200, 40)  # the corpus before masking
+    assert torch.equal(inputs[~scored], text[~scored]) and torch.equal(targets[scored], text[scored])
+    masked = inputs[scored] == MASK_ID
+    assert 0.7 < masked.float().mean() < 0.9  # 80% of the chosen positions become [MASK]
+    assert (inputs[~scored] != MASK_ID).all()
+    with pytest.raises(ValueError, match="mask_prob=1.5"):
+        build_dataset("text_mlm", mask_prob=1.5)

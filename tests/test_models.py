@@ -16,7 +16,7 @@ BATCH = 3
 
 
 def test_builtin_models_registered():
-    assert {"vit", "mlp"} <= set(list_models())
+    assert {"vit", "mlp", "gpt", "bert"} <= set(list_models())
     assert list_models() == sorted(list_models())
 
 
@@ -34,9 +34,12 @@ def test_forward_shape_and_finite_grads(name):
     cfg = model_config_class(name)()
     x = example_input(name, BATCH, generator=torch.Generator().manual_seed(0))
     logits = model(x)
-    assert logits.shape == (BATCH, cfg.num_classes)
+    # Classifiers give (B, num_classes); language models (B, T, vocabulary) for ids (B, T).
+    per_token = not x.is_floating_point()  # token ids in, one prediction per position out
+    assert logits.shape == ((*x.shape, cfg.num_classes) if per_token else (BATCH, cfg.num_classes))
     assert logits.dtype == torch.float32
-    loss = nn.functional.cross_entropy(logits, torch.arange(BATCH) % cfg.num_classes)
+    targets = torch.arange(logits[..., 0].numel()).view(logits.shape[:-1]) % cfg.num_classes
+    loss = nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
     loss.backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None, f"{name}: {pname} got no gradient"

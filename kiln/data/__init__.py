@@ -11,6 +11,9 @@
 from kiln.data._datasets import DataSplits, build_dataset, dataset_signature, list_datasets, register_dataset
 from kiln.data._loader import build_loader, infinite, resolve_workers, shard_iterable, worker_seed
 
+# Imported for its @register_dataset side effect.
+from kiln.data import _text  # noqa: F401  isort: skip
+
 __all__ = [
     "DataSplits",
     "build_dataset",

@@ -24,15 +24,17 @@ from torch.utils.data import Dataset, TensorDataset
 
 __all__ = ["DataSplits", "register_dataset", "build_dataset", "list_datasets", "dataset_signature"]
 
-_TASKS = ("classification", "lm")
+_TASKS = ("classification", "lm", "mlm")
 
 
 @dataclass
 class DataSplits:
     train: Dataset  # training samples
     val: Dataset  # held-out samples for evaluation
-    task: str  # "classification": samples are (x, label); "lm": samples are (input_ids, targets)
-    num_classes: int  # number of labels, or the vocabulary size for "lm"
+    # "classification": samples are (x, label); "lm": (input_ids, next ids); "mlm": (masked ids,
+    # original ids at masked positions and -100, cross-entropy's ignore_index, elsewhere)
+    task: str
+    num_classes: int  # number of labels, or the vocabulary size for "lm" and "mlm"
     input_shape: tuple  # shape of one input sample, e.g. (1, 8, 8) or (seq_len,)
 
     def __post_init__(self) -> None:

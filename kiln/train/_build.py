@@ -53,7 +53,7 @@ class Data:
 
     train: torch.utils.data.DataLoader  # yields micro-batches of batch_size / accumulate
     val: torch.utils.data.DataLoader
-    task: str  # "classification" or "lm"
+    task: str  # "classification", "lm" or "mlm"
     num_classes: int
 
 

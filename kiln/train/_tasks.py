@@ -15,7 +15,8 @@ from torch import nn
 def loss_fn(task: str, model: nn.Module, batch: Any) -> torch.Tensor:
     """Mean loss of ``model`` on one (micro-)batch already on the device."""
     inputs, targets = batch
-    logits = model(inputs)  # classification: (B, C); lm: (B, T, V)
+    logits = model(inputs)  # classification: (B, C); lm and mlm: (B, T, V)
+    # mlm targets are -100 (cross_entropy's default ignore_index) where nothing was masked.
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
@@ -32,7 +33,7 @@ def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    count = 0
+    count = torch.zeros((), dtype=torch.int64, device=device)
     for inputs, targets in loader:
         if inputs.is_floating_point():
             inputs = inputs.to(dtype)
@@ -40,9 +41,10 @@ def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
         logits = model(inputs).flatten(0, -2).float()
         targets = targets.flatten()
         loss_sum += F.cross_entropy(logits, targets, reduction="sum").double()
-        correct += (logits.argmax(-1) == targets).sum()
-        count += targets.numel()
+        scored = targets != -100  # mlm scores only the masked positions
+        correct += ((logits.argmax(-1) == targets) & scored).sum()
+        count += scored.sum()
     model.train(was_training)
-    count = max(count, 1)
     # note: .item() is a device sync; evaluation is rare enough for it not to matter
+    count = max(count.item(), 1)
     return {"loss": loss_sum.item() / count, "accuracy": correct.item() / count}
