@@ -1,0 +1,527 @@
+"""Pipeline parallelism for kiln's language models on ``torch.distributed.pipelining``.
+
+Shapes: B batch per data-parallel rank, M micro-batches, T sequence, C width, V vocabulary.
+
+A model qualifies when its forward is the composition ``head(blocks(embed(ids)))`` and all of
+its parameters live under ``embed``, ``blocks`` (an ``nn.ModuleList``) and ``head``: GPT and
+BERT. A stage is a copy of the whole model in which every part the stage does not own is
+``nn.Identity()`` (``embed`` unless first, ``head`` unless last, each block outside the
+stage's range), so the unchanged forward runs the stage and parameter names (FQNs) stay those
+of the whole model: a ``torch.distributed.checkpoint`` checkpoint reshards between pipeline
+and non-pipeline layouts. Every rank builds the whole model with the same seed;
+:func:`build_pipeline` copies only the parts the rank's stages own (the model passed in is
+left untouched, drop it to free the rest).
+
+Layout. Single-stage schedules (``gpipe``, ``1f1b``) put stage ``s`` on pp rank ``s``.
+``interleaved-1f1b`` splits the model into ``pp * virtual_stages`` stages and puts stage
+``s`` on pp rank ``s % pp`` (torch's "loop" order), so pp rank 0 holds the first stage and
+pp rank ``pp - 1`` the last. With data parallelism the mesh is
+``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))``: pp outermost, so the
+ranks of one dp group are neighbours (one node) and the light point-to-point activation
+traffic is what crosses nodes, as in torchtitan.
+
+What a trainer does per optimizer step, on every rank (all calls are collectives over the
+pp group, and :func:`all_reduce_gradients` over the dp group)::
+
+    model = create_model("gpt", ...)                  # same seed on every rank
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    pipe = build_pipeline(model, mesh, schedule="1f1b", microbatches=4,
+                          loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()),
+                          device=device)
+    del model
+    opt = kiln.optim.AdamW(pipe.parameters())         # this rank's stages only
+    for inputs, targets in loader:                    # this dp rank's batch (B, T)
+        loss = pipe.step(inputs, targets)             # forward + backward of all M micro-batches
+        all_reduce_gradients(opt, pipe.dp_group)      # average over dp (no-op when dp == 1)
+        opt.step(); opt.zero_grad()                   # clipping: see below
+    logits = pipe.forward(val_inputs)                 # (B, T, V) on the last stage, None elsewhere
+
+``step`` returns, on every pp rank, this dp rank's mean loss over its batch (0-dim,
+detached). The gradients it leaves equal those of that mean loss, so gradient accumulation
+is ``step`` called ``k`` times with ``loss_fn`` divided by ``k`` (gradients add up in
+``p.grad``). A global gradient norm for clipping is the sum of the per-rank squared norms
+over the pp group (each parameter lives on exactly one pp rank). ``inputs`` are needed on
+the rank with the first stage, ``targets`` on the rank with the last; other ranks may pass
+them or None.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["SCHEDULES", "stage_ranges", "check_pipeline", "cut_stage", "build_pipeline", "Pipeline"]
+
+# config name -> torch.distributed.pipelining class (imported on first use: ~1 s)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+_MAX_RUNNERS = 4  # distinct (mode, batch shape) pipelines kept built; see Pipeline._runner
+
+
+# -- configuration checks (no processes) ----------------------------------------------------------
+def _check_schedule(schedule: str) -> str:
+    name = str(schedule).lower()
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(name, list(SCHEDULES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"parallel.pp_schedule={schedule!r} is not a pipeline schedule{hint} "
+                         f"Choose one of: {', '.join(SCHEDULES)}")
+    return name
+
+
+def _num_stages(pp: int, schedule: str, virtual_stages: int) -> int:
+    return pp * virtual_stages if schedule == "interleaved-1f1b" else pp
+
+
+def stage_ranges(depth: int, num_stages: int, sizes: list[int] | None = None) -> list[range]:
+    """The blocks each pipeline stage runs: ``num_stages`` consecutive ranges covering
+    ``range(depth)``.
+
+    ``sizes`` (the config's ``parallel.pp_stages``) gives the number of blocks per stage; it
+    must have one positive entry per stage and sum to ``depth``. Without it the split is even,
+    and when ``depth`` does not divide, the extra blocks go to the middle stages (the ones
+    nearest the centre first), because the first stage also runs the embedding and the last
+    one the output head and the loss; with no middle stage left (two stages), the one extra
+    block goes to the first stage, since the head (a C x V projection and the loss) costs more
+    than the embedding lookup.
+
+        >>> stage_ranges(6, 4)
+        [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+        >>> stage_ranges(3, 2)
+        [range(0, 2), range(2, 3)]
+    """
+    for name, value in (("depth", depth), ("num_stages", num_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    if sizes is not None:
+        sizes = list(sizes)
+        if len(sizes) != num_stages:
+            raise ValueError(f"parallel.pp_stages={sizes} has {len(sizes)} entries for {num_stages} pipeline "
+                             f"stages; give one block count per stage (or leave it unset for an even split)")
+        bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+        if bad:
+            raise ValueError(f"parallel.pp_stages={sizes}: every stage needs at least one block "
+                             f"(got {bad[0]!r}); give positive block counts")
+        if sum(sizes) != depth:
+            raise ValueError(f"parallel.pp_stages={sizes} sums to {sum(sizes)} blocks but the model has "
+                             f"depth={depth}; the counts must add up to the model's depth")
+    else:
+        base, extra = divmod(depth, num_stages)
+        if base == 0:
+            raise ValueError(f"depth={depth} blocks cannot fill {num_stages} pipeline stages: each stage "
+                             f"needs at least one block; use fewer stages or a deeper model")
+        sizes = [base] * num_stages
+        centre = (num_stages - 1) / 2
+        middle = sorted(range(1, num_stages - 1), key=lambda i: (abs(i - centre), i))
+        for i in (middle + [0])[:extra]:  # extra < num_stages, so at most one beyond the middle
+            sizes[i] += 1
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
+def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_per_dp_rank: int,
+                   sizes: list[int] | None = None, *, virtual_stages: int = 2) -> None:
+    """Reject a pipeline configuration before anything is built, naming the numbers and the
+    fix: unknown schedule, fewer blocks than stages (virtual stages counted for
+    ``interleaved-1f1b``), a bad ``sizes`` list, a batch that micro-batches do not divide,
+    fewer micro-batches than pp ranks for ``1f1b`` / ``interleaved-1f1b``, and torch's
+    constraint on Interleaved1F1B (``microbatches`` must be a multiple of its number of
+    rounds, ``max(1, microbatches // pp)``). With ``pp == 1`` only the schedule name is
+    checked (no pipeline is built)."""
+    schedule = _check_schedule(schedule)
+    for name, value in (("parallel.pp", pp), ("parallel.pp_microbatches", microbatches),
+                        ("batch size per data-parallel rank", batch_per_dp_rank),
+                        ("parallel.pp_virtual_stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    if pp == 1:
+        return
+    n = _num_stages(pp, schedule, virtual_stages)
+    if depth < n:
+        what = f"pp={pp} x virtual_stages={virtual_stages} = {n}" if n != pp else f"pp={pp}"
+        raise ValueError(f"the model has depth={depth} blocks, fewer than the {what} pipeline stages "
+                         f"(each stage needs a block); use a deeper model or fewer stages"
+                         + (", or schedule 1f1b" if n != pp and depth >= pp else ""))
+    stage_ranges(depth, n, sizes)
+    if batch_per_dp_rank % microbatches:
+        raise ValueError(f"the batch per data-parallel rank ({batch_per_dp_rank}) does not split into "
+                         f"parallel.pp_microbatches={microbatches} equal micro-batches; choose a batch "
+                         f"size that is a multiple of {microbatches} or a divisor of {batch_per_dp_rank}")
+    if schedule in ("1f1b", "interleaved-1f1b") and microbatches < pp:
+        raise ValueError(f"schedule {schedule} needs at least one micro-batch per pipeline rank: "
+                         f"parallel.pp_microbatches={microbatches} < pp={pp}; use "
+                         f"parallel.pp_microbatches >= {pp} (and a batch it divides) or schedule gpipe")
+    if schedule == "interleaved-1f1b":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ValueError(f"torch's Interleaved1F1B runs max(1, microbatches // pp) = {rounds} rounds and "
+                             f"needs parallel.pp_microbatches={microbatches} to be a multiple of it; use a "
+                             f"multiple of pp={pp} (e.g. {pp * rounds})")
+
+
+# -- cutting a model into stages ------------------------------------------------------------------
+def _check_lm(model: nn.Module) -> None:
+    embed, blocks, head = (getattr(model, name, None) for name in ("embed", "blocks", "head"))
+    shape_ok = isinstance(embed, nn.Module) and isinstance(blocks, nn.ModuleList) and isinstance(head, nn.Module)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    stray = [n for n in names if not n.startswith(("embed.", "blocks.", "head."))]
+    if not shape_ok or stray:
+        why = f"it has parameters outside them ({stray[0]})" if shape_ok else \
+            "it lacks model.embed, model.blocks (an nn.ModuleList) or model.head"
+        raise TypeError(f"pipeline parallelism needs a model whose forward is head(blocks(embed(x))) with "
+                        f"every parameter under embed, blocks and head (kiln's gpt and bert); "
+                        f"{type(model).__name__} does not qualify: {why}. Train it with parallel.pp=1")
+
+
+def _owner(fqn: str, ranges: list[range]) -> int:
+    if fqn.startswith("embed."):
+        return 0
+    if fqn.startswith("head."):
+        return len(ranges) - 1
+    block = int(fqn.split(".")[1])
+    return next(s for s, r in enumerate(ranges) if block in r)
+
+
+def _check_ties(model: nn.Module, ranges: list[range]) -> None:
+    """A parameter reachable under two names must belong to one stage: a stage cannot update a
+    weight that another rank holds (tied input/output embeddings are the common case)."""
+    seen: dict[int, tuple[str, int]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        stage = _owner(fqn, ranges)
+        first = seen.setdefault(id(p), (fqn, stage))
+        if first[1] != stage:
+            raise ValueError(
+                f"{fqn} (stage {stage}) is the same tensor as {first[0]} (stage {first[1]}): tied weights "
+                f"cannot span pipeline stages. Set model.tie_embeddings=false to train with "
+                f"{len(ranges)} pipeline stages (or parallel.pp=1 to keep the tie)")
+
+
+def cut_stage(model: nn.Module, ranges: list[range], index: int) -> nn.Module:
+    """A copy of ``model`` that runs stage ``index`` of ``ranges`` (from :func:`stage_ranges`):
+    ``embed`` (unless ``index == 0``), ``head`` (unless last) and every block outside
+    ``ranges[index]`` are ``nn.Identity()``; parameter names are those of ``model``. Only the
+    parts the stage keeps are copied. Raises TypeError for a model that is not
+    ``head(blocks(embed(x)))`` and ValueError when a tied weight spans two stages."""
+    _check_lm(model)
+    if sum(len(r) for r in ranges) != len(model.blocks) or not 0 <= index < len(ranges):
+        raise ValueError(f"stage {index} of {len(ranges)} stages over {sum(len(r) for r in ranges)} blocks "
+                         f"does not fit a model with {len(model.blocks)} blocks")
+    _check_ties(model, ranges)
+    # deepcopy's memo maps what the stage drops to fresh Identity modules, so the copy keeps the
+    # ModuleList's indices (blocks.5 stays blocks.5) and never copies the dropped weights
+    memo: dict[int, Any] = {}
+    if index != 0:
+        memo[id(model.embed)] = nn.Identity()
+    if index != len(ranges) - 1:
+        memo[id(model.head)] = nn.Identity()
+    for i, block in enumerate(model.blocks):
+        if i not in ranges[index]:
+            memo[id(block)] = nn.Identity()
+    return copy.deepcopy(model, memo)
+
+
+# -- the pipeline ---------------------------------------------------------------------------------
+_TIMED_STAGE: type | None = None
+
+
+def _timed_stage_class() -> type:
+    """PipelineStage that adds up the time spent in this rank's forward and backward compute
+    (what is not that, within a step, is bubble and communication). Defined on first use
+    because importing torch.distributed.pipelining takes about a second."""
+    global _TIMED_STAGE
+    if _TIMED_STAGE is None:
+        from torch.distributed.pipelining import PipelineStage
+
+        def timed(method: Callable) -> Callable:
+            def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.compute_s is None:
+                    return method(self, *args, **kwargs)
+                _sync(self.device)
+                t0 = time.perf_counter()
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    _sync(self.device)
+                    self.compute_s += time.perf_counter() - t0
+
+            return run
+
+        class _TimedStage(PipelineStage):
+            compute_s: float | None = None  # None: not timed (build_pipeline(timing=False))
+            forward_one_chunk = timed(PipelineStage.forward_one_chunk)
+            backward_one_chunk = timed(PipelineStage.backward_one_chunk)
+            backward_weight_one_chunk = timed(PipelineStage.backward_weight_one_chunk)
+
+        _TIMED_STAGE = _TimedStage
+    return _TIMED_STAGE
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":  # host timers only mean something once the device has caught up
+        torch.accelerator.synchronize(device)
+
+
+class _Runner:
+    """torch stage objects and one schedule for one (mode, batch shape). Metadata (the shapes
+    of the activations sent between stages) is inferred by torch on the first run from the
+    first micro-batch, and receive buffers are sized from it, so a new batch shape needs new
+    stage objects: they wrap the same modules and cost only that inference."""
+
+    def __init__(self, stages: list[Any], schedule: Any) -> None:
+        self.stages, self.schedule = stages, schedule
+
+
+class Pipeline:
+    """This rank's part of a pipeline-parallel model; built by :func:`build_pipeline`.
+
+    Attributes:
+        stages: the local stage modules (pruned copies of the model, whole-model FQNs), in
+            stage order; build the optimizer over their parameters (:meth:`parameters`).
+        stage_indices: their global stage numbers.
+        num_stages: stages in the whole pipeline (``pp``, or ``pp * virtual_stages``).
+        is_first / is_last: whether this rank holds the first / the last stage.
+        pp_group / dp_group: the pipeline and data-parallel process groups (dp_group is None
+            without data parallelism).
+        last_step_timing: after each :meth:`step`, ``{"wall_s", "compute_s", "bubble"}``:
+            seconds of the schedule run, seconds this rank spent in stage forward/backward
+            compute (None unless built with ``timing=True``), and ``1 - compute_s / wall_s``.
+            The first step with a new batch shape also runs torch's shape inference; skip it
+            when measuring.
+    """
+
+    def __init__(self, stages: list[nn.Module], stage_indices: list[int], num_stages: int, *,
+                 schedule: str, microbatches: int, loss_fn: Callable[..., torch.Tensor],
+                 pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None,
+                 device: torch.device, timing: bool) -> None:
+        self.stages, self.stage_indices, self.num_stages = stages, stage_indices, num_stages
+        self.schedule, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
+        self.pp_group, self.dp_group, self.device, self.timing = pp_group, dp_group, device, timing
+        self.pp_size, self.pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        self.is_first, self.is_last = 0 in stage_indices, num_stages - 1 in stage_indices
+        self.last_step_timing: dict[str, float | None] = {}
+        self._runners: dict[tuple, _Runner] = {}
+        self._scaled_loss = _ScaledLoss(loss_fn, microbatches)
+
+    # -- parameters -----------------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(FQN in the whole model, parameter)`` for every parameter of the local stages."""
+        for stage in self.stages:
+            yield from stage.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> dict[str, Any]:
+        """The local stages' state, keyed by whole-model FQNs (disjoint across pp ranks)."""
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
+
+    # -- running --------------------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one batch through the schedule: ``inputs`` (B, T) enter the
+        first stage, ``targets`` meet the logits at the last. Gradients accumulate into
+        ``p.grad`` of the local stages and equal those of the mean loss over the batch.
+        Returns that mean loss (0-dim float32, detached) on every pp rank."""
+        shape = self._agree(inputs, targets, need_targets=True)
+        runner = self._runner("train", shape)
+        losses: list[torch.Tensor] = []
+        for stage in runner.stages:
+            stage.compute_s = 0.0 if self.timing else None
+        t0 = time.perf_counter()
+        target = targets.to(self.device) if self.is_last else None
+        runner.schedule.step(*self._args(inputs), target=target, losses=losses, return_outputs=False)
+        if self.timing:
+            _sync(self.device)
+        wall = time.perf_counter() - t0
+        compute = sum(s.compute_s for s in runner.stages) if self.timing else None
+        self.last_step_timing = {"wall_s": wall, "compute_s": compute,
+                                 "bubble": None if compute is None else max(0.0, 1.0 - compute / wall)}
+        if self.is_last:
+            # each micro-batch loss is already divided by M (see _ScaledLoss): their sum is the mean
+            loss = torch.stack([x.detach().float() for x in losses]).sum()
+        else:
+            loss = torch.empty((), dtype=torch.float32, device=self.device)
+        if self.pp_size > 1:
+            dist.broadcast(loss, group_src=self.pp_size - 1, group=self.pp_group)
+        return loss
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward only, for evaluation: the stages run in eval mode (dropout off; their
+        training flags are restored after) and without autograd. Returns the logits (B, T, V)
+        on the rank with the last stage and None on the others; compute metrics there and
+        share them with :meth:`share_from_last`. Any batch size works (the micro-batch count
+        is the largest divisor of B not above ``microbatches``)."""
+        shape = self._agree(inputs, None, need_targets=False)
+        runner = self._runner("eval", shape)
+        was_training = [s.training for s in self.stages]
+        for stage in self.stages:
+            stage.eval()
+        try:
+            for stage in runner.stages:
+                stage.compute_s = None
+            out = runner.schedule.step(*self._args(inputs), return_outputs=True)
+        finally:
+            for stage, mode in zip(self.stages, was_training):
+                stage.train(mode)
+        return out if self.is_last else None
+
+    def share_from_last(self, obj: Any) -> Any:
+        """``obj`` as the rank with the last stage has it, on every pp rank (any picklable
+        value, e.g. a dict of eval metrics; other ranks pass anything)."""
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group_src=self.pp_size - 1, group=self.pp_group, device=self.device)
+        return box[0]
+
+    # -- machinery ------------------------------------------------------------------------------
+    def _args(self, inputs: torch.Tensor | None) -> tuple:
+        return (inputs.to(self.device),) if self.is_first else ()
+
+    def _agree(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, need_targets: bool) -> tuple:
+        """The batch shape, as the first stage's rank sees it, on every pp rank, with missing
+        inputs or targets reported on every rank (one 10-int all-reduce): a rank that raised
+        alone would leave the others waiting in the schedule. Only the first stage sees the
+        inputs, and the other ranks need the shape to size their receive buffers."""
+        info = torch.zeros(10, dtype=torch.int64)  # [no inputs, no targets, ndim, *shape]
+        if self.is_first:
+            if not isinstance(inputs, torch.Tensor) or not 1 <= inputs.dim() <= 7:
+                info[0] = 1
+            else:
+                info[2] = inputs.dim()
+                info[3:3 + inputs.dim()] = torch.tensor(inputs.shape)
+        if self.is_last and need_targets and not isinstance(targets, torch.Tensor):
+            info[1] = 1
+        if self.pp_size > 1:
+            on = info.to(self.device) if dist.get_backend(self.pp_group) != "gloo" else info
+            dist.all_reduce(on, op=dist.ReduceOp.MAX, group=self.pp_group)
+            info = on.cpu()
+        values = info.tolist()
+        if values[0]:
+            raise ValueError("Pipeline: the rank holding the first stage (pp rank 0) got no inputs tensor; "
+                             "pass the batch's inputs there (other ranks may pass them or None)")
+        if values[1]:
+            raise ValueError(f"Pipeline.step: the rank holding the last stage (pp rank {self.pp_size - 1}) got "
+                             f"no targets; pass the batch's targets there (other ranks may pass None)")
+        shape = tuple(values[3:3 + values[2]])
+        if need_targets and shape[0] % self.microbatches:
+            raise ValueError(f"Pipeline.step: a batch of {shape[0]} does not split into {self.microbatches} "
+                             f"equal micro-batches; use batches whose size is a multiple of {self.microbatches} "
+                             f"(e.g. drop the last, smaller batch)")
+        return shape
+
+    def _runner(self, mode: str, shape: tuple) -> _Runner:
+        key = (mode, shape)
+        runner = self._runners.get(key)
+        if runner is None:
+            if len(self._runners) >= _MAX_RUNNERS:  # every rank sees the same shapes: evicts alike
+                del self._runners[next(iter(self._runners))]
+            runner = self._runners[key] = self._build_runner(mode, shape[0])
+        return runner
+
+    def _build_runner(self, mode: str, batch: int) -> _Runner:
+        from torch.distributed import pipelining
+
+        stage_cls = _timed_stage_class()
+        stages = [stage_cls(module, index, self.num_stages, self.device, group=self.pp_group)
+                  for module, index in zip(self.stages, self.stage_indices)]
+        interleaved = self.schedule == "interleaved-1f1b"
+        if mode == "train":
+            cls, m, loss_fn = getattr(pipelining, SCHEDULES[self.schedule]), self.microbatches, self._scaled_loss
+        else:
+            # forward only: without backward 1F1B is GPipe's fill-and-drain, and GPipe (single
+            # stage per rank) takes any micro-batch count; Interleaved1F1B keeps its rounds rule
+            m = max(d for d in range(1, min(batch, self.microbatches) + 1) if batch % d == 0
+                    and (not interleaved or d % max(1, d // self.pp_size) == 0))
+            cls = pipelining.ScheduleInterleaved1F1B if interleaved else pipelining.ScheduleGPipe
+            loss_fn = None  # no loss: the schedule runs no backward
+        # scale_grads=False: torch would divide every p.grad by M after the backward (a loop over
+        # tensors, and wrong for gradients accumulated over several step() calls); the loss of
+        # each micro-batch is divided by M instead (_ScaledLoss), which gives the gradient of the
+        # batch mean when loss_fn returns a micro-batch mean and micro-batches are equal.
+        if interleaved:
+            schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        return _Runner(stages, schedule)
+
+
+class _ScaledLoss:
+    """``loss_fn(logits, targets) / M`` for torch's schedule, which calls it once per
+    micro-batch with that micro-batch's logits and targets (it splits ``targets`` along
+    dim 0 as it splits the inputs)."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], microbatches: int) -> None:
+        self.loss_fn, self.microbatches = loss_fn, microbatches
+
+    def __call__(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        return self.loss_fn(output, target) / self.microbatches
+
+
+def _groups(pp_group_or_mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    if pp_group_or_mesh is None:
+        return dist.group.WORLD, None
+    if isinstance(pp_group_or_mesh, dist.ProcessGroup):
+        return pp_group_or_mesh, None
+    mesh = pp_group_or_mesh  # a DeviceMesh
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1 and (not names or names == ("pp",)):
+        return mesh.get_group(), None
+    if "pp" not in names or any(n not in ("pp", "dp") for n in names):
+        raise ValueError(f"build_pipeline: a mesh with dimensions {names or mesh.ndim} is not a pipeline "
+                         f"mesh; build it as init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))")
+    return mesh.get_group("pp"), mesh.get_group("dp") if "dp" in names else None
+
+
+def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: str, microbatches: int,
+                   loss_fn: Callable[..., torch.Tensor], sizes: list[int] | None = None,
+                   virtual_stages: int = 2, device: torch.device | str = "cpu",
+                   timing: bool = False) -> Pipeline:
+    """Cut ``model`` into pipeline stages and return this rank's :class:`Pipeline`.
+
+    Args:
+        model: the whole model, built identically (same seed) on every rank; not modified.
+        pp_group_or_mesh: the pipeline process group, a 1-D mesh, or a mesh with dimensions
+            ``("pp", "dp")`` (gradients are then averaged over ``pipe.dp_group`` by the caller,
+            see the module docstring); None: the whole world is one pipeline.
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved-1f1b``.
+        microbatches: M, the micro-batches each batch is split into (along dim 0).
+        loss_fn: ``loss_fn(logits, targets) -> mean loss of one micro-batch``; it is called
+            once per micro-batch with that micro-batch's slice of ``targets``.
+        sizes: blocks per stage (``parallel.pp_stages``); default: :func:`stage_ranges`.
+        virtual_stages: stages per rank for ``interleaved-1f1b`` (ignored otherwise).
+        device: where the stages run (they are copied there).
+        timing: measure this rank's stage compute time per step (``pipe.last_step_timing``);
+            on an accelerator that synchronises the device around every micro-batch.
+
+    Shapes between stages are not declared: torch 2.13's ``PipelineStage`` infers them
+    (``input_args``/``output_args`` left None) from the first micro-batch on the first step,
+    one extra forward (and, in training, a backward to the inputs only) per batch shape.
+    Collective over the pp group only on the first step, not here.
+    """
+    schedule = _check_schedule(schedule)
+    pp_group, dp_group = _groups(pp_group_or_mesh)
+    pp, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    _check_lm(model)
+    depth = len(model.blocks)
+    # the batch is not known yet (step() checks it): pass one that microbatches divides
+    check_pipeline(depth, pp, schedule, microbatches, microbatches, sizes, virtual_stages=virtual_stages)
+    num_stages = _num_stages(pp, schedule, virtual_stages)
+    ranges = stage_ranges(depth, num_stages, sizes)
+    _check_ties(model, ranges)
+    device = torch.device(device)
+    indices = list(range(rank, num_stages, pp))  # torch's loop order: stage s on pp rank s % pp
+    stages = [cut_stage(model, ranges, i).to(device) for i in indices]
+    return Pipeline(stages, indices, num_stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
+                    pp_group=pp_group, dp_group=dp_group, device=device, timing=timing)
