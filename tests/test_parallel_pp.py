@@ -279,12 +279,12 @@ def test_stage_ranges_rejects_bad_sizes(sizes, words):
     ((4, 2, "zigzag", 4, 8), ["'zigzag'", "gpipe, 1f1b, interleaved-1f1b"]),
     ((1, 2, "gpipe", 4, 8), ["depth=1", "pp=2"]),
     ((3, 2, "interleaved-1f1b", 4, 8), ["depth=3", "pp=2 x virtual_stages=2 = 4", "schedule 1f1b"]),
-    ((4, 2, "gpipe", 3, 8), ["(8)", "pp_microbatches=3", "multiple of 3"]),
-    ((4, 4, "1f1b", 2, 8), ["pp_microbatches=2 < pp=4", ">= 4", "gpipe"]),
-    ((8, 2, "interleaved-1f1b", 1, 8), ["pp_microbatches=1 < pp=2"]),
-    ((8, 2, "interleaved-1f1b", 5, 10), ["2 rounds", "pp_microbatches=5", "multiple of pp=2"]),
+    ((4, 2, "gpipe", 3, 8), ["(8)", "microbatches=3", "multiple of 3"]),
+    ((4, 4, "1f1b", 2, 8), ["microbatches=2 < pp=4", ">= 4", "gpipe"]),
+    ((8, 2, "interleaved-1f1b", 1, 8), ["microbatches=1 < pp=2"]),
+    ((8, 2, "interleaved-1f1b", 5, 10), ["2 rounds", "microbatches=5", "multiple of pp=2"]),
     ((4, 2, "gpipe", 2, 8, [3, 3]), ["sums to 6", "depth=4"]),
-    ((4, 2, "gpipe", 0, 8), ["pp_microbatches=0"]),
+    ((4, 2, "gpipe", 0, 8), ["microbatches=0"]),
 ])
 def test_check_pipeline_errors_name_numbers_and_fix(args, words):
     with pytest.raises(ValueError) as err:

@@ -78,10 +78,18 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: Optional[int] = None  # data-parallel ranks; None: the world size (kiln train --nproc N)
+    # The world is a dp x tp x pp grid of processes (kiln.parallel.Layout); dp * tp * pp must
+    # equal the number of processes started.
+    dp: Optional[int] = None  # data-parallel ranks; None: world size / (tp * pp)
+    tp: int = 1  # tensor-parallel ranks: each block's matmuls split Megatron-style (DTensor)
+    pp: int = 1  # pipeline stages: model.blocks cut into pp consecutive groups
     # ZeRO over the data-parallel ranks: 0 replicated; 1 shard the optimizer state; 2 and the
     # gradients (both on kiln's arena); 3 and the parameters (FSDP2, multi-tensor optimizer)
     zero: Literal[0, 1, 2, 3] = 0
+    sequence_parallel: bool = False  # tp > 1: norms and dropout run on sequence shards
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"  # pipeline schedule (pp > 1)
+    microbatches: Optional[int] = None  # pp > 1: micro-batches per pipeline step; None: 2 * pp
+    pp_stages: Optional[list[int]] = None  # blocks per stage (sums to the depth); None: balanced
     timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
 
 

@@ -52,6 +52,8 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     kw = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     for block in blocks:
+        if next(block.parameters(), None) is None:  # e.g. a block another pipeline stage owns
+            continue
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model

@@ -135,7 +135,7 @@ def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_
     rounds, ``max(1, microbatches // pp)``). With ``pp == 1`` only the schedule name is
     checked (no pipeline is built)."""
     schedule = _check_schedule(schedule)
-    for name, value in (("parallel.pp", pp), ("parallel.pp_microbatches", microbatches),
+    for name, value in (("parallel.pp", pp), ("parallel.microbatches", microbatches),
                         ("batch size per data-parallel rank", batch_per_dp_rank),
                         ("parallel.pp_virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -151,17 +151,17 @@ def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_
     stage_ranges(depth, n, sizes)
     if batch_per_dp_rank % microbatches:
         raise ValueError(f"the batch per data-parallel rank ({batch_per_dp_rank}) does not split into "
-                         f"parallel.pp_microbatches={microbatches} equal micro-batches; choose a batch "
+                         f"parallel.microbatches={microbatches} equal micro-batches; choose a batch "
                          f"size that is a multiple of {microbatches} or a divisor of {batch_per_dp_rank}")
     if schedule in ("1f1b", "interleaved-1f1b") and microbatches < pp:
         raise ValueError(f"schedule {schedule} needs at least one micro-batch per pipeline rank: "
-                         f"parallel.pp_microbatches={microbatches} < pp={pp}; use "
-                         f"parallel.pp_microbatches >= {pp} (and a batch it divides) or schedule gpipe")
+                         f"parallel.microbatches={microbatches} < pp={pp}; use "
+                         f"parallel.microbatches >= {pp} (and a batch it divides) or schedule gpipe")
     if schedule == "interleaved-1f1b":
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             raise ValueError(f"torch's Interleaved1F1B runs max(1, microbatches // pp) = {rounds} rounds and "
-                             f"needs parallel.pp_microbatches={microbatches} to be a multiple of it; use a "
+                             f"needs parallel.microbatches={microbatches} to be a multiple of it; use a "
                              f"multiple of pp={pp} (e.g. {pp * rounds})")
 
 

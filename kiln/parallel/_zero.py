@@ -301,12 +301,14 @@ class ZeroOptimizer(Optimizer):
         self.optimizer.mark_grads_ready()
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Clip by the global norm of the averaged gradients over all ranks (each rank reduces
-        its shard, one ``all_reduce`` of a scalar adds them up). Returns the total norm."""
+        its shard, one ``all_reduce`` of a scalar adds them up). Returns the total norm.
+        ``extra_group``: ranks holding other parameters of the same model (pipeline stages),
+        whose gradients count in the norm too."""
         grads = self.flat_grads()
-        if self.stage == 0:
+        if self.stage == 0 and extra_group is None:
             from kiln.optim import clip_grad_norm_
 
             return clip_grad_norm_(self.optimizer, max_norm, norm_type, error_if_nonfinite)
@@ -315,14 +317,18 @@ class ZeroOptimizer(Optimizer):
         if math.isinf(p):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
             total = local.float().clone()
-            if self.world > 1:
+            if self.world > 1 and self.stage > 0:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            if extra_group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=extra_group)
         else:
             parts = [torch.linalg.vector_norm(g, p, dtype=torch.promote_types(g.dtype, torch.float32)) ** p
                  for g in grads]
             total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
-            if self.world > 1:
+            if self.world > 1 and self.stage > 0:  # stage 0: every rank holds the whole gradient
                 dist.all_reduce(total, group=self.group)
+            if extra_group is not None:
+                dist.all_reduce(total, group=extra_group)
             total = total ** (1.0 / p)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")

@@ -4,24 +4,35 @@ gathered. In one process every function here is a no-op or an identity."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from kiln.parallel._mesh import Layout
+
+
+def check_layout(cfg: Any, world: int) -> "Layout":
+    """The dp x tp x pp layout of ``world`` processes, checked against the batch and the model
+    before anything is built; raises ConfigError naming the numbers."""
+    from kiln.config import ConfigError
+    from kiln.parallel._mesh import resolve_layout
+
+    layout = resolve_layout(cfg.parallel, world)
+    per_rank = layout.dp * cfg.train.accumulate
+    if cfg.data.batch_size % per_rank:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp={layout.dp} x "
+            f"train.accumulate={cfg.train.accumulate}; each data-parallel rank needs a whole micro-batch"
+        )
+    from kiln.config._load import check_parallel_model
+
+    check_parallel_model(cfg, micro_batch=cfg.data.batch_size // per_rank)
+    return layout
+
 
 def data_parallel_size(cfg: Any, world: int) -> int:
-    from kiln.config import ConfigError
-
-    dp = cfg.parallel.dp if cfg.parallel.dp is not None else world
-    if dp != world:
-        raise ConfigError(f"parallel.dp={dp} but {world} process(es) were started; start dp processes "
-                          f"(kiln train ... --nproc {dp}) or set parallel.dp={world}")
-    if cfg.data.batch_size % (dp * cfg.train.accumulate):
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp={dp} x "
-            f"train.accumulate={cfg.train.accumulate}; each rank needs a whole micro-batch"
-        )
-    return dp
+    return check_layout(cfg, world).dp
 
 
 def broadcast_path(path: Path | None) -> Path:

@@ -1,0 +1,194 @@
+"""One call that lays a model out over ``dp x tp x pp`` ranks: :func:`parallelize`.
+
+The order is torchtitan's: cut pipeline stages (``pp``), shard each stage's matmuls over the
+tensor-parallel ranks (``tp``), then, with ``zero=3``, shard what is left over the
+data-parallel ranks with FSDP2. What comes back, :class:`Parallel`, is what the trainer needs
+whatever the layout:
+
+- ``model``: this rank's part of the model under the whole model's parameter names (all of it
+  when ``pp=1``; with a pipeline, a view holding the local stages' modules), for the optimizer,
+  ``train()/eval()`` and checkpoints (DCP keys on those names, so checkpoints reshard between
+  layouts);
+- ``pipeline``: the :class:`~kiln.parallel._pp.Pipeline` when ``pp > 1`` (its ``step`` runs
+  forward and backward of every micro-batch);
+- :meth:`Parallel.loss_context`, :meth:`Parallel.reduce_gradients`, :meth:`Parallel.clip`,
+  :meth:`Parallel.logits`: the layout-dependent pieces of a step.
+
+    >>> from kiln.parallel._mesh import Layout
+    >>> par = parallelize(nn.Linear(2, 2), Layout(), zero=0)   # one process: nothing changes
+    >>> par.pipeline is None and par.mesh is None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.parallel._mesh import Layout, build_mesh
+
+__all__ = ["Parallel", "parallelize"]
+
+
+class Parallel:
+    """This rank's share of a parallelized model; built by :func:`parallelize`."""
+
+    def __init__(self, model: nn.Module, layout: Layout, *, zero: int, mesh: Any = None, pipeline: Any = None,
+                 loss_parallel: bool = False) -> None:
+        self.model, self.layout, self.zero, self.mesh, self.pipeline = model, layout, zero, mesh, pipeline
+        self.loss_parallel = loss_parallel
+        self.fsdp = zero == 3 and layout.dp > 1
+        self.tp = layout.tp > 1
+        self.dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
+        self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
+
+    @property
+    def arena(self) -> bool:
+        """Whether the optimizer can keep the parameters in kiln's flat arena (plain tensors)."""
+        return not (self.fsdp or self.tp)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Wrap forward, loss and backward (tensor parallelism computes the cross-entropy on
+        vocabulary-sharded logits inside it)."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from kiln.parallel._tp import tp_loss_context
+
+        return tp_loss_context(True)
+
+    def logits(self, logits: Any) -> Any:
+        """Plain, whole logits from what the model returned (gathered over tp if sharded)."""
+        if self.loss_parallel:
+            from kiln.parallel._tp import gather_logits
+
+            return gather_logits(logits)
+        return logits
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average the gradients over the data-parallel ranks, once per optimizer step: one
+        all-reduce per arena (or a reduce-scatter into the shard, ZeRO-1/2), an all-reduce of
+        the local DTensor shards (tensor parallel), nothing under FSDP2 (done in backward)."""
+        if self.layout.dp == 1 or self.fsdp:
+            return
+        from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients
+
+        if isinstance(optimizer, ZeroOptimizer):
+            optimizer.reduce_gradients()
+        elif self.tp:
+            from kiln.parallel._tp import all_reduce_dp_gradients
+
+            all_reduce_dp_gradients(self.model, self.dp_group)
+        else:
+            all_reduce_gradients(optimizer, self.dp_group)
+
+    @torch.no_grad()
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip the norm of the whole model's gradient (every stage, shard and tensor-parallel
+        piece counted once); returns the norm before clipping, the same on every rank."""
+        from kiln.parallel._zero import ZeroOptimizer
+
+        if isinstance(optimizer, ZeroOptimizer):
+            return optimizer.clip_grad_norm_(max_norm, extra_group=self.pp_group)
+        if self.arena and self.pp_group is None:
+            import kiln.optim
+
+            return kiln.optim.clip_grad_norm_(optimizer, max_norm)
+        from kiln.parallel._tp import _local_and_dims
+
+        # Sum of squares of what this rank holds, completed over the mesh dimensions each
+        # gradient is split over (tp shards, FSDP2 shards), then over the pipeline stages
+        # (every parameter lives on exactly one pp rank).
+        total = torch.zeros((), dtype=torch.float32)
+        grads = [p.grad for p in _unique(self.model.parameters()) if p.grad is not None]
+        for g in grads:
+            local, split = _local_and_dims(g)
+            part = local.detach().float().pow(2).sum().cpu()
+            if split is not None:
+                mesh, dims = split
+                for d in dims:
+                    part = part.to(local.device)
+                    dist.all_reduce(part, group=mesh.get_group(d))
+                    part = part.cpu()
+            total += part
+        if self.pp_group is not None:
+            device = grads[0].device if grads else torch.device("cpu")
+            total = total.to(device)
+            dist.all_reduce(total, group=self.pp_group)
+            total = total.cpu()
+        norm = total.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # no branch on the value: no host sync
+        for g in grads:
+            local = g._local_tensor if hasattr(g, "_local_tensor") else g
+            local.mul_(coef.to(local.device, local.dtype))
+        return norm
+
+
+def _unique(params: Any) -> list[torch.Tensor]:
+    return list({id(p): p for p in params}.values())
+
+
+def _rank_view(stages: list[nn.Module]) -> nn.Module:
+    """One module holding this rank's pipeline stages under the whole model's names: the
+    first stage's top level with ``embed``, every owned block and ``head`` taken from
+    whichever local stage owns them (no copies: the same module objects)."""
+    view = copy.copy(stages[0])
+    view._modules = dict(stages[0]._modules)
+    view._parameters, view._buffers = dict(stages[0]._parameters), dict(stages[0]._buffers)
+    for part in ("embed", "head"):
+        owned = [getattr(s, part) for s in stages if not isinstance(getattr(s, part), nn.Identity)]
+        view._modules[part] = owned[0] if owned else nn.Identity()
+    blocks = []
+    for i in range(len(stages[0].blocks)):
+        owned = [s.blocks[i] for s in stages if not isinstance(s.blocks[i], nn.Identity)]
+        blocks.append(owned[0] if owned else nn.Identity())
+    view._modules["blocks"] = nn.ModuleList(blocks)
+    return view
+
+
+def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_parallel: bool = False,
+                pp_schedule: str = "1f1b", microbatches: int | None = None, pp_stages: list[int] | None = None,
+                loss_fn: Callable[..., torch.Tensor] | None = None, device: torch.device | str = "cpu",
+                timing: bool = False) -> Parallel:
+    """Lay ``model`` (built identically, same seed, on every rank) out as ``layout`` says.
+
+    Needs an initialised process group of ``layout.world`` ranks (none for 1 x 1 x 1).
+    ``loss_fn(logits, targets)``: the mean loss of a micro-batch, for the pipeline schedule
+    (pp > 1). ``zero=3`` shards what is left over the dp ranks with FSDP2; ZeRO-1/2 wrap the
+    optimizer afterwards (:class:`~kiln.parallel.ZeroOptimizer` over ``Parallel.dp_group``).
+    Build the optimizer over ``Parallel.model`` after this.
+    """
+    device = torch.device(device)
+    if layout.world == 1:
+        return Parallel(model, layout, zero=zero)
+    mesh = build_mesh(layout, device.type)
+    pipeline = None
+    modules = [model]
+    if layout.pp > 1:
+        from kiln.parallel._pp import build_pipeline
+
+        if loss_fn is None:
+            raise ValueError("parallelize: pp > 1 needs loss_fn(logits, targets), which the schedule calls")
+        pipeline = build_pipeline(model, mesh["pp"].get_group(), schedule=pp_schedule,
+                                  microbatches=microbatches or 2 * layout.pp, loss_fn=loss_fn, sizes=pp_stages,
+                                  device=device, timing=timing)
+        modules = pipeline.stages
+    # Logits stay sharded over the vocabulary (never gathered) unless a pipeline schedule,
+    # which passes plain tensors between stages, computes the loss.
+    loss_parallel = layout.tp > 1 and pipeline is None
+    if layout.tp > 1:
+        from kiln.parallel._tp import apply_tp
+
+        for m in modules:
+            apply_tp(m, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if zero == 3 and layout.dp > 1:
+        from kiln.parallel._fsdp import apply_fsdp
+
+        for m in modules:
+            apply_fsdp(m, mesh=mesh["dp"])
+    view = model if pipeline is None else _rank_view(pipeline.stages)
+    return Parallel(view, layout, zero=zero, mesh=mesh, pipeline=pipeline, loss_parallel=loss_parallel)
