@@ -356,11 +356,8 @@ def test_dp2_tp2_matches_one_process(dp2_tp2, name, mode):
             assert wq == (("Shard(dim=0)",), (16, 32)) and wo == (("Shard(dim=1)",), (32, 16))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kiln.optim's DTensor path (_update_list_dtensor) finds the mesh dims a parameter is split "
-    "over with Placement.is_shard(), which is False for _StridedShard, FSDP2's dp placement on "
-    "top of a TP Shard(0) in torch 2.13; LAMB/LARS then take per-tensor norms over the tp shards "
-    "only, not dp: trust ratios of wq/wk/wv, fc1, embed.tok and head.out are wrong (~5e-4 rel)"))
+# LAMB's trust ratios need norms of whole tensors: over tp shards and, under FSDP2, the
+# _StridedShard dp shards on top of them (which are not Placement.is_shard() in torch 2.13).
 def test_dp2_tp2_fsdp_lamb(dp2_tp2):
     ref = _reference("gpt", opt="LAMB")
     for out in dp2_tp2:

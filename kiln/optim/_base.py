@@ -492,9 +492,11 @@ class ArenaOptimizer(Optimizer):
         from torch.distributed.tensor import DTensor
 
         mesh, placements = ps[0].device_mesh, tuple(ps[0].placements)
-        sharded = [d for d, pl in enumerate(placements) if pl.is_shard()]
         if any(pl.is_partial() for pl in placements):
             raise ValueError(f"kiln.optim: parameters with Partial placements are not supported: {placements}")
+        # not is_shard(): FSDP2's dp placement over a tensor-parallel shard is a _StridedShard,
+        # which is split over its mesh dim but is not is_shard() in torch 2.13
+        sharded = [d for d, pl in enumerate(placements) if not pl.is_replicate()]
 
         def reduce(norms: torch.Tensor) -> torch.Tensor:
             sq = norms.square()

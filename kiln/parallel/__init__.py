@@ -9,6 +9,12 @@
 
 - zero=3: :func:`apply_fsdp` (FSDP2 ``fully_shard`` per block, then the root); kiln's
   optimizers with ``contiguous=False`` step the DTensor shards; :func:`clip_grad_norm_`.
+- tensor parallel: :func:`apply_tp` (Megatron-style sharding of GPT/BERT with DTensor),
+  :func:`check_tp`; pipeline parallel: :func:`build_pipeline` (GPipe, 1F1B, interleaved 1F1B),
+  :func:`check_pipeline`; :func:`clip_grad_norm_`: the global norm over any mix of plain,
+  tensor-parallel and FSDP2 gradients.
+- :class:`Layout` and :func:`parallelize`: a model laid out over ``dp x tp x pp`` ranks in one
+  call (stages, then tensor parallel, then FSDP2 over dp), as the trainer does it.
 - :func:`save_sharded` / :func:`load_sharded`: DCP checkpoints keyed per parameter (FQN) that
   load at any world size into plain, ZeRO-1/2 or FSDP2 runs.
 
@@ -22,7 +28,9 @@ from kiln.parallel._dist import init_distributed, is_main, rank, world_size
 from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters
 
 # FSDP2 and DCP take most of a second to import: loaded when first used, not by every trainer.
-_LAZY = {"apply_fsdp": "_fsdp", "clip_grad_norm_": "_fsdp", "is_fsdp": "_fsdp",
+_LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "clip_grad_norm_": "_tp", "apply_tp": "_tp",
+         "check_tp": "_tp", "build_pipeline": "_pp", "check_pipeline": "_pp", "parallelize": "_layout",
+         "Layout": "_mesh",
          "save_sharded": "_checkpoint", "load_sharded": "_checkpoint"}
 
 
@@ -36,4 +44,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "broadcast_parameters", "all_reduce_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
+           "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Layout",
            "save_sharded", "load_sharded"]

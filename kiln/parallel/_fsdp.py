@@ -10,7 +10,7 @@ Per step, on every rank (FSDP2 reduce-scatters and averages the gradients during
     opt = kiln.optim.AdamW(model.parameters(), contiguous=False)  # multi-tensor over the shards
     for step in ...:
         loss_fn(model(x_rank)).backward()       # x_rank: this rank's part of the global batch
-        total = kiln.parallel.clip_grad_norm_(model.parameters(), 1.0)  # optional, global norm
+        total = kiln.parallel.clip_grad_norm_(model.parameters(), 1.0)  # optional, global norm (kiln.parallel._tp)
         opt.step(); opt.zero_grad()
 
 kiln's optimizers run on the local shards (fused AdamW/Adam/SGD kernels unchanged); LAMB and
@@ -21,13 +21,10 @@ micro-batch skips the reduce-scatters (FSDP2's API).
 
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["apply_fsdp", "clip_grad_norm_", "is_fsdp"]
+__all__ = ["apply_fsdp", "is_fsdp"]
 
 
 def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
@@ -64,14 +61,3 @@ def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for DTensor (FSDP2) gradients: the norm of the full
-    gradients over all ranks; returns it as a plain tensor (the same on every rank)."""
-    from torch.distributed.tensor import DTensor
-
-    total = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type, error_if_nonfinite)
-    return total.full_tensor() if isinstance(total, DTensor) else total

@@ -27,7 +27,6 @@ import copy
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from kiln.parallel._mesh import Layout, build_mesh
@@ -69,6 +68,22 @@ class Parallel:
             return gather_logits(logits)
         return logits
 
+    def value(self, loss: torch.Tensor) -> torch.Tensor:
+        """A detached plain tensor of a loss (tensor parallelism returns a replicated DTensor)."""
+        loss = loss.detach()
+        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+    def eval_forward(self, model: nn.Module) -> Callable[[torch.Tensor], Any]:
+        """``forward(inputs) -> whole logits`` for evaluation: through the pipeline (None on
+        ranks without the last stage), or the model with tensor-parallel logits gathered."""
+        if self.pipeline is not None:
+            return self.pipeline.forward
+        return lambda inputs: self.logits(model(inputs))
+
+    def share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The metrics of the rank that computed them (the last pipeline stage) on every rank."""
+        return self.pipeline.share_from_last(metrics) if self.pipeline is not None else metrics
+
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Average the gradients over the data-parallel ranks, once per optimizer step: one
         all-reduce per arena (or a reduce-scatter into the shard, ZeRO-1/2), an all-reduce of
@@ -98,34 +113,10 @@ class Parallel:
             import kiln.optim
 
             return kiln.optim.clip_grad_norm_(optimizer, max_norm)
-        from kiln.parallel._tp import _local_and_dims
+        from kiln.parallel._tp import clip_grad_norm_
 
-        # Sum of squares of what this rank holds, completed over the mesh dimensions each
-        # gradient is split over (tp shards, FSDP2 shards), then over the pipeline stages
-        # (every parameter lives on exactly one pp rank).
-        total = torch.zeros((), dtype=torch.float32)
-        grads = [p.grad for p in _unique(self.model.parameters()) if p.grad is not None]
-        for g in grads:
-            local, split = _local_and_dims(g)
-            part = local.detach().float().pow(2).sum().cpu()
-            if split is not None:
-                mesh, dims = split
-                for d in dims:
-                    part = part.to(local.device)
-                    dist.all_reduce(part, group=mesh.get_group(d))
-                    part = part.cpu()
-            total += part
-        if self.pp_group is not None:
-            device = grads[0].device if grads else torch.device("cpu")
-            total = total.to(device)
-            dist.all_reduce(total, group=self.pp_group)
-            total = total.cpu()
-        norm = total.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # no branch on the value: no host sync
-        for g in grads:
-            local = g._local_tensor if hasattr(g, "_local_tensor") else g
-            local.mul_(coef.to(local.device, local.dtype))
-        return norm
+        # every tp and FSDP2 shard and every pipeline stage's gradient counted once
+        return clip_grad_norm_(_unique(self.model.parameters()), max_norm, extra_group=self.pp_group)
 
 
 def _unique(params: Any) -> list[torch.Tensor]:

@@ -270,17 +270,18 @@ def _local_and_dims(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a mix of plain, tensor-parallel and FSDP2 (also
     2-D) gradients on any meshes: the norm of the full gradients, one all-reduce per distinct
     (mesh, split dims) group and mesh dim; returns it as a plain tensor, the same on every
     rank. (torch's own stacks the per-tensor norms and fails on DTensors of different meshes
-    or on DTensors mixed with plain tensors, which TP models have.)"""
+    or on DTensors mixed with plain tensors, which TP models have.) ``extra_group``: the ranks
+    holding the model's other parameters (pipeline stages), whose gradients count too."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    if not grads:
+    if not grads and extra_group is None:
         return torch.tensor(0.0)
     inf = math.isinf(norm_type)
     groups: dict[Any, list[torch.Tensor]] = {}
@@ -289,14 +290,19 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         groups.setdefault(key, []).append(local)
     total: torch.Tensor | None = None
     for key, ts in groups.items():
-        norms = torch.stack([n.float() for n in torch._foreach_norm(ts, norm_type)])
+        # at least fp32, and fp64 gradients keep fp64 (numerical checks compare to 1e-9)
+        norms = torch.stack([n.to(torch.promote_types(n.dtype, torch.float32))
+                             for n in torch._foreach_norm(ts, norm_type)])
         part = norms.max() if inf else norms.pow(norm_type).sum()
         if key is not None:
             mesh, dims = key
             for d in dims:
                 dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
         total = part if total is None else (torch.maximum(total, part) if inf else total + part)
-    assert total is not None
+    if total is None:  # no gradient here, but the other stages wait for this rank's part
+        total = torch.zeros((), dtype=torch.float32)
+    if extra_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=extra_group)
     total = total if inf else total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so they cannot be clipped")

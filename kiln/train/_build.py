@@ -57,7 +57,11 @@ class Data:
     num_classes: int
 
 
-def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.device) -> Data:
+def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.device,
+               rank: int = 0, world_size: int = 1) -> Data:
+    """Train and validation loaders; ``rank``/``world_size``: this process's data-parallel
+    rank and the number of them (tensor-parallel and pipeline ranks of one replica share its
+    data), ``accumulate``: micro-batches per step per rank times the data-parallel ranks."""
     from kiln.data import build_dataset, build_loader
 
     splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))
@@ -75,6 +79,7 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
         splits.train, micro_batch, shuffle=not isinstance(splits.train, torch.utils.data.IterableDataset),
         seed=seed, drop_last=data_cfg.drop_last, workers=data_cfg.workers, pin_memory=pin,
         persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor,
+        rank=rank, world_size=world_size,
     )
     # Every rank evaluates the whole validation set: metrics need no reduction across ranks.
     val = build_loader(splits.val, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0,

@@ -5,7 +5,7 @@ Models are plain PyTorch and only map inputs to logits; the task knows the targe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +15,13 @@ from torch import nn
 def loss_fn(task: str, model: nn.Module, batch: Any) -> torch.Tensor:
     """Mean loss of ``model`` on one (micro-)batch already on the device."""
     inputs, targets = batch
-    logits = model(inputs)  # classification: (B, C); lm and mlm: (B, T, V)
-    # mlm targets are -100 (cross_entropy's default ignore_index) where nothing was masked.
+    return loss_from_logits(model(inputs), targets)
+
+
+def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; logits (B, C) for classification, (B, T, V) for lm and mlm.
+
+    mlm targets are -100 (cross_entropy's default ignore_index) where nothing was masked."""
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
@@ -26,9 +31,15 @@ def metric_names(task: str) -> list[str]:
 
 @torch.inference_mode()
 def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
-             dtype: torch.dtype = torch.float32) -> dict[str, float]:
+             dtype: torch.dtype = torch.float32, forward: Callable[[torch.Tensor], Any] | None = None,
+             share: Callable[[dict[str, float]], dict[str, float]] | None = None) -> dict[str, float]:
     """Loss and accuracy over the whole loader, summed per sample (so the last, smaller batch
-    counts with its true weight), under inference mode."""
+    counts with its true weight), under inference mode.
+
+    ``forward(inputs) -> logits`` replaces ``model(inputs)`` (a pipeline returns None on ranks
+    without the last stage, which then only feed it); ``share(metrics)`` hands the metrics of
+    the rank that computed them to every rank."""
+    forward = forward or model
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -38,7 +49,10 @@ def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
         if inputs.is_floating_point():
             inputs = inputs.to(dtype)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        logits = model(inputs).flatten(0, -2).float()
+        logits = forward(inputs)
+        if logits is None:
+            continue
+        logits = logits.flatten(0, -2).float()
         targets = targets.flatten()
         loss_sum += F.cross_entropy(logits, targets, reduction="sum").double()
         scored = targets != -100  # mlm scores only the masked positions
@@ -46,5 +60,6 @@ def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
         count += scored.sum()
     model.train(was_training)
     # note: .item() is a device sync; evaluation is rare enough for it not to matter
-    count = max(count.item(), 1)
-    return {"loss": loss_sum.item() / count, "accuracy": correct.item() / count}
+    n = max(count.item(), 1)
+    metrics = {"loss": loss_sum.item() / n, "accuracy": correct.item() / n}
+    return share(metrics) if share is not None else metrics
