@@ -39,11 +39,13 @@ MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64")
 def gradient_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors that hold ``optimizer``'s gradients: the arena's flat gradient buffers when
     the optimizer has them (so a check over all gradients is one reduction per buffer), else
-    every parameter's ``.grad``."""
+    every parameter's ``.grad`` (the local shard of a DTensor's)."""
     flat = getattr(optimizer, "flat_grads", None)
-    if callable(flat):
-        return list(flat())
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = list(flat()) if callable(flat) else [p.grad for group in optimizer.param_groups
+                                                 for p in group["params"] if p.grad is not None]
+    # DTensor gradients (FSDP2, tensor parallel): their local shards, checked and unscaled in
+    # place; the non-finite flag is then OR-ed over all ranks (LossScaler.unscale_).
+    return [getattr(g, "_local_tensor", g) for g in grads]
 
 
 class LossScaler:

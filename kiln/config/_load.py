@@ -239,9 +239,6 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
                           "use parallel.zero=0 or train.precision=bf16-mixed")
     if cfg["parallel"]["zero"] in (1, 2) and not cfg["optim"]["contiguous"]:
         raise ConfigError(f"parallel.zero={cfg['parallel']['zero']} shards kiln's arena; set optim.contiguous=true")
-    if cfg["parallel"]["zero"] == 3 and train["precision"] == "fp16-mixed":
-        raise ConfigError("parallel.zero=3 with train.precision=fp16-mixed is not supported yet; "
-                          "use bf16-mixed (no loss scaling needed)")
     if train["keep_checkpoints"] < 1:
         raise ConfigError(f"train.keep_checkpoints={train['keep_checkpoints']} must be at least 1")
     if cfg["optim"]["lr"] <= 0:
@@ -285,10 +282,10 @@ def check_parallel_model(cfg: Any, micro_batch: int | None = None) -> None:
     if pp > 1 and train["precision"] == "fp16-mixed":
         raise ConfigError("train.precision=fp16-mixed scales the loss before backward, which a pipeline schedule "
                           f"runs itself; with parallel.pp={pp} use train.precision=bf16-mixed (no loss scaling needed)")
-    if tp > 1 and train["precision"] in ("fp16-mixed", "bf16-true"):
-        raise ConfigError(f"train.precision={train['precision']} keeps its loss scaler or fp32 master weights on "
-                          f"kiln's flat arena, which tensor-parallel (DTensor) parameters do not use; with "
-                          f"parallel.tp={tp} use train.precision=bf16-mixed")
+    if (tp > 1 or pp > 1) and train["precision"] == "bf16-true":
+        raise ConfigError(f"train.precision=bf16-true keeps fp32 master weights mirroring kiln's flat arena, which "
+                          f"parallel.tp={tp} / parallel.pp={pp} runs do not use for all of the model; use "
+                          "train.precision=bf16-mixed")
     if pp > 1 and train["compile"]:
         raise ConfigError(f"train.compile=true with parallel.pp={pp} is not supported: pipeline stages run their "
                           "own forward; set train.compile=false")
