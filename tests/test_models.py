@@ -244,3 +244,19 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "False"]
     assert kiln.models.create_model is create_model
+
+
+@pytest.mark.parametrize("config, count", [("gpt2_medium.py", 354_823_168), ("bert_large.py", 335_174_458)])
+def test_published_sizes_by_config(config, count):
+    """The bundled configs of the published sizes build models with the published parameter
+    counts (on the meta device: shapes only, no memory)."""
+    from pathlib import Path
+
+    from kiln.config import load_config
+    from kiln.train._build import build_model
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) == count
+    assert model.head.out.weight is model.embed.tok.weight  # tied, counted once
