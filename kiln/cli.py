@@ -35,7 +35,8 @@ Train the model a config describes and write a run directory:
   RUN_DIR/summary.json  steps, final_train_loss, eval, samples_per_second, peak_memory_mb,
                         wall_seconds, and status (running | completed | failed | interrupted)
   RUN_DIR/loss.png      train and eval loss against step
-  RUN_DIR/checkpoints/  final.pt (model, optimizer, scheduler; load with weights_only=True)
+  RUN_DIR/checkpoints/  final/, best/, step-N/: sharded checkpoints (torch.distributed.checkpoint)
+                        that resume in any layout; read one with kiln.train.load_checkpoint
 
 A config is a Python file (LazyCall nodes, see configs/digits_vit.py) or YAML with the
 namespaces model, data, optim, train and parallel. Override any key on the command line
@@ -181,8 +182,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Under torchrun the launcher names the run directory; once it holds a checkpoint (an
     # elastic restart), the restarted processes continue from it.
     shared = os.environ.get("KILN_RUN_DIR")
-    if run_dir is None and shared and any((Path(shared) / "checkpoints").glob("*.pt")):
-        run_dir = Path(shared)
+    if run_dir is None and shared:
+        from kiln.train._checkpoint import has_checkpoint
+
+        run_dir = Path(shared) if has_checkpoint(Path(shared)) else None
     if "LOCAL_RANK" in os.environ:
         # A worker of torchrun: record the error, so the launcher can say what failed and where.
         from torch.distributed.elastic.multiprocessing.errors import record

@@ -1,10 +1,11 @@
 """Run lifecycle: exact resume after a real kill -9, damaged checkpoints, config mismatch,
-checkpoint retention, early stopping, TensorBoard."""
+checkpoint retention, atomic saves, early stopping, TensorBoard."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "train", *args, f"train.output_dir={killed_dir}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not list(killed_dir.glob("*/checkpoints/step-00000040.pt")):
+    while not list(killed_dir.glob("*/checkpoints/step-00000040")):  # appears complete, by a rename
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -49,7 +50,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     proc.wait()
     run = _only_run(killed_dir)
     assert _summary(run)["status"] == "running"  # killed mid-run: nothing marked it complete
-    assert not (run / "checkpoints" / "final.pt").exists()
+    assert not (run / "checkpoints" / "final").exists()
 
     assert main(["train", "--resume", str(run)]) == 0
     whole = _only_run(whole_dir)
@@ -57,8 +58,8 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert b["status"] == "completed" and b["steps"] == 300
     assert a["final_train_loss"] == b["final_train_loss"]
     assert a["eval"] == b["eval"]
-    wa = load_checkpoint(whole / "checkpoints" / "final.pt")
-    wb = load_checkpoint(run / "checkpoints" / "final.pt")
+    wa = load_checkpoint(whole / "checkpoints" / "final")
+    wb = load_checkpoint(run / "checkpoints" / "final")
     assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"])
     for key, state in wa["optimizer"]["state"].items():
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(wb["optimizer"]["state"][key][n]))
@@ -77,14 +78,16 @@ def _short_run(tmp_path: Path, *extra: str) -> Path:
 
 def test_truncated_checkpoint_names_the_file_and_the_last_good_one(tmp_path, capsys):
     run = _short_run(tmp_path)
-    (run / "checkpoints" / "final.pt").unlink()  # as if killed before the final save
-    newest = run / "checkpoints" / "step-00000015.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])
+    shutil.rmtree(run / "checkpoints" / "final")  # as if killed before the final save
+    (data,) = (run / "checkpoints" / "step-00000015").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])  # a disk that filled up, a copy cut short
+    (run / "checkpoints" / "step-00000010" / "rng-00000.pt").unlink()
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "step-00000015.pt" in err and "truncated or corrupt" in err and "step-00000010.pt" in err
+    assert "step-00000015" in err and "truncated or corrupt" in err and data.name in err
+    assert "the last good checkpoint is" in err and "step-00000005" in err  # step 10 lost a file too
     assert "Traceback" not in err
-    assert (run / "checkpoints" / "step-00000010.pt").exists()  # nothing was deleted
+    assert (run / "checkpoints" / "step-00000010").exists()  # nothing was deleted
 
 
 def test_resume_refuses_a_config_that_does_not_match_the_checkpoint(tmp_path, capsys):
@@ -106,8 +109,8 @@ def test_resume_can_extend_a_finished_run(tmp_path):
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     run = _short_run(tmp_path, "train.keep_checkpoints=2", "train.max_steps=30")
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert names == ["best.pt", "final.pt", "step-00000020.pt", "step-00000025.pt"]
-    assert load_checkpoint(run / "checkpoints" / "step-00000025.pt")["step"] == 25
+    assert names == ["best", "final", "step-00000020", "step-00000025"]
+    assert load_checkpoint(run / "checkpoints" / "step-00000025")["step"] == 25
 
 
 def test_early_stopping_stops_records_why_and_keeps_the_best(tmp_path):
@@ -119,8 +122,8 @@ def test_early_stopping_stops_records_why_and_keeps_the_best(tmp_path):
     assert summary["stopped_early"] is True and summary["stopped_at_step"] == 15 and summary["steps"] == 15
     assert "eval_loss" in summary["stop_reason"] and "2 evaluations" in summary["stop_reason"]
     assert summary["best"]["step"] == 5
-    assert load_checkpoint(run / "checkpoints" / "best.pt")["step"] == 5
-    assert load_checkpoint(run / "checkpoints" / "final.pt")["step"] == 15
+    assert load_checkpoint(run / "checkpoints" / "best")["step"] == 5
+    assert load_checkpoint(run / "checkpoints" / "final")["step"] == 15
 
 
 def test_early_stopping_on_accuracy_tracks_the_maximum(tmp_path):
@@ -167,18 +170,35 @@ def test_report_compares_runs_in_one_picture_and_table(tmp_path, capsys):
 
 
 def test_a_save_that_dies_midway_leaves_the_last_good_checkpoint_intact(tmp_path, monkeypatch):
-    from kiln.train._run_dir import RunDir
+    import kiln.parallel._checkpoint as sharded
+    from kiln.precision import Precision
+    from kiln.train._checkpoint import latest, prune, save_checkpoint
 
-    run = RunDir.create(tmp_path, "atomic")
-    good = run.save_checkpoint("step-00000001", {"model": {"w": torch.ones(3)}, "step": 1})
-    original = good.read_bytes()
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpts = tmp_path / "checkpoints"
+    good = save_checkpoint(ckpts / "step-00000001", model, opt, Precision(), {"step": 1})
+    original = {p.name: p.read_bytes() for p in good.iterdir()}
+    saved, real_save = model.weight.detach().clone(), sharded.dcp.save
 
-    def dying_save(obj, f):
-        f.write(b"half a checkpoint")
+    def dying_save(*args, **kwargs):
+        real_save(*args, **kwargs)  # the tensors are on disk, the JSON that completes them is not
         raise OSError("disk full")
 
-    monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(OSError, match="disk full"):
-        run.save_checkpoint("step-00000001", {"model": {"w": torch.zeros(3)}, "step": 2})
-    assert good.read_bytes() == original  # the old file was never opened for writing
-    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-00000001.pt"]  # no debris
+    monkeypatch.setattr(sharded.dcp, "save", dying_save)
+    with torch.no_grad():
+        model.weight.zero_()
+    for name in ("step-00000001", "step-00000002"):  # overwriting the good one, or writing a new one
+        with pytest.raises(OSError, match="disk full"):
+            save_checkpoint(ckpts / name, model, opt, Precision(), {"step": 2})
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == original  # never opened for writing
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]  # no debris
+    assert torch.equal(load_checkpoint(good)["model"]["weight"], saved)
+    # a kill -9 leaves its .tmp directory behind: never taken for a checkpoint, cleared by prune
+    shutil.copytree(good, ckpts / "step-00000002.tmp")
+    (ckpts / "step-00000002.tmp" / "kiln_meta.json").unlink()
+    assert latest(tmp_path)[0] == good
+    prune(tmp_path, keep=5)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]

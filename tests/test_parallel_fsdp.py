@@ -1,6 +1,7 @@
-"""zero=3 (FSDP2 ``apply_fsdp``) parity with kiln's optimizers, and DCP checkpoints that reshard.
+"""zero=3 (FSDP2 ``apply_fsdp``) parity with kiln's optimizers, and DCP checkpoints that reshard
+(between world sizes, ZeRO shards, FSDP2, and pipeline stages that hold part of the model).
 
-Two spawns of 2 gloo processes (1 thread each) carry all distributed work; float64 so the
+Three spawns of 2 gloo processes (1 thread each) carry all distributed work; float64 so the
 only differences are reduction orders.
 """
 
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import json
 import pickle
+import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import kiln.models
 import kiln.optim as ko
@@ -112,15 +115,21 @@ def _build(kind, world):
 
 
 def _ckpt_worker(rank, world, root):
-    # save after 2 steps with 2 ranks (ZeRO-2, FSDP2); load a 1-process checkpoint into FSDP2
+    # save after 2 steps with 2 ranks (ZeRO-2: each rank writes its arena shard's pieces of the
+    # state; FSDP2); then load, continue 2 steps, and return the weights: the 1-process
+    # checkpoint into FSDP2 and into ZeRO-2 (each rank reads its shard's pieces), and the
+    # ZeRO-2 checkpoint into ZeRO-2 (the plain resume)
     for kind in ("zero2", "fsdp"):
         model, opt = _build(kind, world)
         _train(model, opt, 0, 2, rank, world)
         save_sharded(f"{root}/{kind}", model, opt, {"step": 2, "kind": kind})
-    model, opt = _build("fsdp", world)
-    extra = load_sharded(f"{root}/plain1", model, opt)
-    _train(model, opt, 2, 4, rank, world)
-    return extra, _full(model)
+    out = {}
+    for source, kind in (("plain1", "fsdp"), ("plain1", "zero2"), ("zero2", "zero2")):
+        model, opt = _build(kind, world)
+        extra = load_sharded(f"{root}/{source}", model, opt)
+        _train(model, opt, 2, 4, rank, world)
+        out[f"{source}->{kind}"] = extra, _full(model)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +157,13 @@ def test_save_2_ranks_load_1_plain(checkpoints, kind):
     assert _rel_err(_full(model), reference) < 1e-6
 
 
-def test_save_1_load_2_ranks_fsdp(checkpoints):
+def test_load_into_2_ranks_fsdp_and_zero(checkpoints):
     _, reference, results = checkpoints
-    for extra, params in results:
-        assert extra == {"step": 2}
-        assert _rel_err(params, reference) < 1e-6
+    for per_rank in results:
+        assert sorted(per_rank) == ["plain1->fsdp", "plain1->zero2", "zero2->zero2"]
+        for case, (extra, params) in per_rank.items():
+            assert extra["step"] == 2, case
+            assert _rel_err(params, reference) < 1e-6, case
 
 
 def test_save_is_atomic_and_replaces(tmp_path):
@@ -166,6 +177,91 @@ def test_save_is_atomic_and_replaces(tmp_path):
     assert load_sharded(tmp_path / "ck", m2, o2) == {"step": 2}
     assert _rel_err(_full(m2), _full(model)) == 0.0
     assert o2.param_groups[0]["betas"] == (0.9, 0.999)  # tuples come back as tuples from JSON
+
+
+# -- (c) pipeline stages: a rank holds only some of the parameters --------------------------------
+GPT = dict(depth=4, dim=16, heads=2, vocab_size=32, seq_len=8)
+
+
+def _stage(rank):
+    """The whole GPT (rank=None), or what pipeline rank 0 or 1 of 2 holds: the embedding and the
+    first half of the blocks, or the rest and the head. What a rank does not hold is nn.Identity
+    (as kiln's pipeline cuts stages), so parameter names stay the whole model's. AdamW in two
+    groups, as the trainer builds it (no weight decay on 1-D tensors)."""
+    torch.manual_seed(0)
+    model = kiln.models.create_model("gpt", **GPT).double()
+    if rank is not None:
+        half = GPT["depth"] // 2
+        if rank == 0:
+            model.head = nn.Identity()
+        else:
+            model.embed = nn.Identity()
+        for i in range(half, GPT["depth"]) if rank == 0 else range(half):
+            model.blocks[i] = nn.Identity()
+    ps = list(model.parameters())
+    opt = ko.AdamW([{"params": [p for p in ps if p.ndim >= 2]},
+                    {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def _fake_steps(model, opt, steps):
+    """Optimizer steps with gradients that depend only on the parameter's name and the step, so
+    that a stage steps its parameters as the whole model does."""
+    for s in range(steps):
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + s)
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()
+        opt.zero_grad()
+    opt.param_groups[0]["lr"] = 0.5  # as a schedule would have moved it: hyperparameters are saved too
+
+
+def _named(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    return {k: v.clone() for k, v in model.state_dict().items()}, state
+
+
+def _same(a, b):
+    (ma, sa), (mb, sb) = a, b
+    return (ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma) and sa.keys() == sb.keys()
+            and all(torch.equal(v, sb[n][k]) for n in sa for k, v in sa[n].items()))
+
+
+def _pp_worker(rank, world, root):
+    model, opt = _stage(rank)
+    _fake_steps(model, opt, 2)
+    save_sharded(f"{root}/stages", model, opt, {"step": 2})  # each rank writes its own parameters
+    saved = _named(model, opt)
+    model, opt = _stage(rank)
+    assert load_sharded(f"{root}/whole", model, opt) == {"step": 2}  # each reads only its own
+    return saved, _named(model, opt), opt.param_groups[0]["lr"]
+
+
+def test_pipeline_stages_save_their_parameters_and_load_them_from_a_whole_model(tmp_path):
+    model, opt = _stage(None)
+    _fake_steps(model, opt, 2)
+    save_sharded(tmp_path / "whole", model, opt, {"step": 2})
+    whole = _named(model, opt)
+    results = run_distributed(_pp_worker, 2, str(tmp_path))
+    # both ranks' parameters and groups are in the stages' checkpoint, not only rank 0's
+    meta = json.loads((tmp_path / "stages" / "kiln_meta.json").read_text())
+    assert sorted(meta["state"]) == sorted(whole[1])
+    assert [sorted(g["params"]) for g in meta["param_groups"]] == [
+        sorted(n for n, p in model.named_parameters() if p.ndim >= 2),
+        sorted(n for n, p in model.named_parameters() if p.ndim < 2)]
+    # the stages' checkpoint in one process: exactly what the stages held
+    union = ({**results[0][0][0], **results[1][0][0]}, {**results[0][0][1], **results[1][0][1]})
+    assert union[0].keys() == whole[0].keys()
+    model, opt = _stage(None)
+    assert load_sharded(tmp_path / "stages", model, opt) == {"step": 2}
+    assert _same(_named(model, opt), union)
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 1e-2] and opt.param_groups[1]["weight_decay"] == 0.0
+    # the whole model's checkpoint on each stage: exactly that stage's part of it
+    for rank, (saved, loaded, lr) in enumerate(results):
+        assert loaded[0].keys() == saved[0].keys() and 0 < len(saved[0]) < len(whole[0]), rank
+        assert _same(loaded, ({k: whole[0][k] for k in saved[0]}, {k: whole[1][k] for k in saved[1]})), rank
+        assert lr == 0.5
 
 
 def test_metadata_unpickler_refuses_code(tmp_path):

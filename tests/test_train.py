@@ -29,7 +29,7 @@ def _train(tmp_path: Path, config: str = MLP, *overrides: str) -> Path:
 
 def test_run_directory_is_complete(tmp_path, capsys):
     run = _train(tmp_path, MLP, "train.max_steps=30", "train.eval_every=10", "train.log_every=5")
-    for name in ("config.yaml", "metrics.csv", "summary.json", "loss.png", "checkpoints/final.pt"):
+    for name in ("config.yaml", "metrics.csv", "summary.json", "loss.png", "checkpoints/final/kiln_meta.json"):
         assert (run / name).is_file(), name
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed"
@@ -46,8 +46,11 @@ def test_run_directory_is_complete(tmp_path, capsys):
     # the loss fell: the run really trained
     assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
 
-    ckpt = load_checkpoint(run / "checkpoints" / "final.pt")  # weights_only=True
+    ckpt = load_checkpoint(run / "checkpoints" / "final")  # executes no code from the files
     assert ckpt["step"] == 30 and "model" in ckpt and "optimizer" in ckpt
+    # a torch.optim state dict, numbered in the model's parameter order
+    assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) == 6
+    assert ckpt["optimizer"]["state"][0]["exp_avg"].shape == ckpt["model"]["blocks.0.0.weight"].shape
 
     out = capsys.readouterr().out
     assert "step 30/30" in out  # plain progress lines when stdout is not a terminal
@@ -60,8 +63,8 @@ def test_rerun_from_saved_config_is_bitwise_identical(tmp_path):
     s2 = json.loads((second / "summary.json").read_text())
     assert s1["final_train_loss"] == s2["final_train_loss"]
     assert s1["eval"] == s2["eval"]
-    w1 = load_checkpoint(first / "checkpoints" / "final.pt")["model"]
-    w2 = load_checkpoint(second / "checkpoints" / "final.pt")["model"]
+    w1 = load_checkpoint(first / "checkpoints" / "final")["model"]
+    w2 = load_checkpoint(second / "checkpoints" / "final")["model"]
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert second.name.startswith("digits_vit-")  # the rerun is named after the run it repeats
 
@@ -100,7 +103,7 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "injected failure" in summary["error"]
-    assert not (run / "checkpoints" / "final.pt").exists()
+    assert not (run / "checkpoints" / "final").exists()
 
 
 @pytest.mark.parametrize(
@@ -160,7 +163,7 @@ def test_import_kiln_stays_light():
 
 
 def _final(run: Path) -> dict:
-    return load_checkpoint(run / "checkpoints" / "final.pt")["model"]
+    return load_checkpoint(run / "checkpoints" / "final")["model"]
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -1,53 +1,77 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP) that reshard on load.
 
 :func:`save_sharded` writes a directory that does not depend on the world size or on how the
-model was sharded: every tensor is stored under its fully qualified name,
+model was sharded: every tensor is stored under its fully qualified name (FQN),
 
 - ``model.<fqn>``: parameters and buffers (``get_model_state_dict``: the local shards of an
-  FSDP2 model, the whole tensors of a plain or replicated model);
+  FSDP2 or tensor-parallel model, the whole tensors of a plain or replicated model);
 - ``optim.state.<fqn>.<name>``: optimizer state per parameter in torch.optim's naming
-  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``step``), from the optimizer's own
-  torch-layout ``state_dict()`` (for :class:`~kiln.parallel.ZeroOptimizer` the gathered full
-  state; for DTensor parameters the DTensor shards);
+  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``step``). A plain or DTensor optimizer
+  gives it through its torch-layout ``state_dict()``; a :class:`~kiln.parallel.ZeroOptimizer`
+  (stages 1, 2) writes the part of each tensor in its arena shard, where the shard cuts it,
+  without gathering anything;
+- ``master.<fqn>``: the tensors the optimizer steps when they are not the model's own
+  (``masters=``: bf16-true keeps fp32 master weights outside the bf16 model);
 
-and ``kiln_meta.json`` (rank 0): parameter groups (hyperparameters and the FQNs of their
-parameters), non-tensor state entries, and the caller's ``extra``. Replicated tensors are
-written once (DCP de-duplicates them across ranks); each rank writes its own DTensor shards.
+plus ``kiln_meta.json``: parameter groups (hyperparameters and the FQNs of their parameters),
+non-tensor optimizer state, and the caller's ``extra``, merged from every rank's view; and
+per-rank ``files`` (small objects, ``torch.save``). Each rank writes what it holds: its
+DTensor shards, its ZeRO shard, its pipeline stage's parameters (a rank may hold only some of
+the model: whatever FQNs it has are saved, and on load it reads only those). Tensors that
+several ranks hold alike are written once (DCP de-duplicates them).
 
 :func:`load_sharded` reads into whatever the current run holds (a plain model with an arena
-optimizer, a ZeroOptimizer, an FSDP2 model, any world size): DCP reads, for each target
-tensor, the part of the saved chunks it covers. Nothing pickled is loaded except DCP's
-``.metadata`` file, which is read with an unpickler that admits only DCP's metadata classes
-and torch dtypes/sizes; non-tensor values live in the JSON file.
+optimizer, a ZeroOptimizer, an FSDP2 or tensor-parallel model, a pipeline stage, any world
+size): DCP reads, for each target tensor, the part of the saved chunks it covers. Nothing
+pickled is loaded except DCP's ``.metadata`` file, read with an unpickler that admits only
+DCP's metadata classes and torch dtypes/sizes (and a checkpoint whose metadata lists pickled
+objects is refused); tensor data is read with ``weights_only=True``; non-tensor values live in
+the JSON file. :func:`read_sharded` reads a whole checkpoint into one process, and
+:func:`check_sharded` tells a complete directory from a damaged one without loading it.
 
 Saving is atomic: every rank writes into ``<dir>.tmp``; after a barrier rank 0 writes the JSON
-and renames it to ``<dir>`` (a previous ``<dir>`` is replaced).
+last and renames the directory to ``<dir>`` (a previous ``<dir>`` is replaced), so a directory
+named ``<dir>`` is always complete.
+
+    >>> save_sharded("ckpt/step-10", model, opt, extra={"step": 10})   # doctest: +SKIP
+    >>> load_sharded("ckpt/step-10", model, opt)                       # doctest: +SKIP
+    {'step': 10}
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import math
 import os
 import pickle
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 from torch.optim import Optimizer
 
-__all__ = ["save_sharded", "load_sharded", "META_FILE"]
+__all__ = ["save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
 
 META_FILE = "kiln_meta.json"
-_MODEL, _STATE = "model.", "optim.state."
+FORMAT = "kiln-dcp-1"
+_MODEL, _STATE, _MASTER = "model.", "optim.state.", "master."
+Modules = nn.Module | Sequence[nn.Module]  # a model, or the pipeline stages a rank holds
 
 
 def _dist() -> bool:
@@ -63,11 +87,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
+def _modules(model: Modules) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _param_names(model: Modules, masters: dict[str, torch.Tensor] | None = None) -> dict[int, str]:
+    """id(tensor) -> FQN for the parameters this rank holds (and the masters standing in for them)."""
     names: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), n)
+    for m in _modules(model):
+        for n, p in m.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+    for n, t in (masters or {}).items():
+        names[id(t)] = n
     return names
+
+
+def _model_state(model: Modules) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in _modules(model):
+        out.update(get_model_state_dict(m))
+    return out
 
 
 def _indexed_params(optimizer: Optimizer) -> list[tuple[int, list[torch.Tensor]]]:
@@ -76,21 +115,6 @@ def _indexed_params(optimizer: Optimizer) -> list[tuple[int, list[torch.Tensor]]
     for g in optimizer.param_groups:
         out.append((start, list(g["params"])))
         start += len(g["params"])
-    return out
-
-
-def _fqn_of_index(model: nn.Module, optimizer: Optimizer) -> dict[int, str]:
-    names = _param_names(model)
-    out: dict[int, str] = {}
-    seen: set[int] = set()
-    for start, ps in _indexed_params(optimizer):
-        for i, p in enumerate(ps, start):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if id(p) not in names:
-                raise ValueError("save_sharded: the optimizer holds a parameter that is not in the model")
-            out[i] = names[id(p)]
     return out
 
 
@@ -106,73 +130,272 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
+def _is_zero(optimizer: Optimizer | None) -> bool:
+    from kiln.parallel._zero import ZeroOptimizer
+
+    return isinstance(optimizer, ZeroOptimizer) and optimizer.stage in (1, 2)
+
+
+def _boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat range [a, b) of a row-major tensor of ``shape`` as (offsets, sizes) boxes, in
+    order; each box is itself a contiguous run of the flat range (a partial first row, whole
+    rows, a partial last row, recursively), so DCP can store it as a chunk.
+
+    >>> _boxes((3, 4), 2, 11)
+    [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+    """
+    if a >= b:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(a, inner), divmod(b, inner)
+
+    def row(r: int, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((r, *o), (1, *s)) for o, s in _boxes(shape[1:], lo, hi)]
+
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = row(r0, c0, inner) if c0 else []
+    first = r0 + 1 if c0 else r0
+    if r1 > first:
+        out.append(((first, *[0] * (len(shape) - 1)), (r1 - first, *shape[1:])))
+    return out + (row(r1, 0, c1) if c1 else [])
+
+
+def _zero_pieces(zero: Any, names: dict[int, str], load: bool) -> Iterator[tuple[str, int, Any, tuple, dict]]:
+    """ZeRO-1/2: this rank's part of every state tensor, as DCP chunks (boxes) over views of its
+    shard's flat state (``load``: allocated first). A shard cuts parameters anywhere, so a part
+    is a flat range of the parameter: up to 2 * ndim + 1 boxes. Yields (fqn, the parameter's
+    index in its pack, the pack, the state names, {state name: [(offsets, sizes, view)]}).
+    Reads kiln's arena internals (``_packs``, ``_shards``, piece bounds), as ZeroOptimizer's own
+    ``state_dict`` does, minus its all-gather."""
+    inner = zero.optimizer
+    for pk, sp in zip(inner._packs, zero._shards):
+        group = zero.param_groups[pk.group]
+        if load:
+            inner._ensure_state(sp, group)  # this rank's state buffers, before reading into them
+        state_names = inner._state_names(group) if sp.state else ()
+        sl, bounds = sp.arena, pk.arena._bounds
+        piece_of = {seg: n for n, seg in enumerate(sl.seg_ids)}
+        for i, p in enumerate(pk.params):
+            boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]] = {}
+            n = piece_of.get(i)
+            if n is not None:
+                # the piece's real elements, as offsets into the whole parameter (flattened)
+                a = sl.lo + sl._pieces[n][0] - bounds[i]
+                b = sl.lo + sl._pieces[n][1] - bounds[i]
+                for name in state_names:
+                    view, at = sp.sviews[name][n], 0
+                    boxes[name] = []
+                    for offsets, sizes in _boxes(tuple(p.shape), a, b):
+                        size = math.prod(sizes)
+                        boxes[name].append((offsets, sizes, view[at:at + size].view(sizes)))
+                        at += size
+            yield names[id(p)], i, pk, state_names, boxes
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner plus tensors given as chunks of a larger tensor (ZeRO shard pieces)."""
+
+    def __init__(self, chunks: dict[str, tuple[torch.Size, list[tuple[Any, Any, torch.Tensor]]]]):
+        super().__init__()
+        self.chunks = chunks
+        self.by_index = {(fqn, torch.Size(o)): t for fqn, (_, boxes) in chunks.items() for o, _, t in boxes}
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)),
+                               properties=TensorProperties.create_from_tensor(t), size=size))
+                 for fqn, (size, boxes) in self.chunks.items() for o, s, t in boxes]
+        mappings = {**(plan.planner_data or {}), **{fqn: (fqn,) for fqn in self.chunks}}
+        self.plan = dataclasses.replace(plan, items=plan.items + items, planner_data=mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        key = (write_item.index.fqn, write_item.index.offset)
+        if key in self.by_index:
+            return self.by_index[key]
+        return super().resolve_data(write_item)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's planner plus targets given as chunks of a larger tensor (ZeRO shard pieces)."""
+
+    def __init__(self, chunks: dict[str, list[tuple[Any, Any, torch.Tensor]]]):
+        super().__init__()
+        self.chunks = chunks
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        for fqn, boxes in self.chunks.items():
+            local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in boxes]
+            plan.items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], local)
+        return plan
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        boxes = self.chunks.get(read_item.dest_index.fqn)
+        if boxes is None:
+            return super().resolve_tensor(read_item)
+        target = boxes[read_item.dest_index.index][2]
+        return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+
+
+def _merge_meta(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One parameter-group list and one state table from every rank's (a pipeline stage knows
+    only its own parameters): groups are merged by position when every rank has as many, else
+    by equal hyperparameters; FQNs keep rank order, so a pipeline's stages give the model's order."""
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    same_count = len({len(p["param_groups"]) for p in parts}) == 1
+    for part in parts:
+        state.update(part["state"])
+        for j, g in enumerate(part["param_groups"]):
+            target = (groups[j] if same_count and j < len(groups)
+                      else next((m for m in groups if m["hyper"] == g["hyper"]), None))
+            if target is None:
+                groups.append({"hyper": g["hyper"], "params": list(g["params"])})
+            else:
+                have = set(target["params"])  # data-parallel replicas repeat the same names
+                target["params"] += [f for f in g["params"] if f not in have]
+    return {"state": state, "param_groups": groups}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @torch.no_grad()
-def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None = None,
-                 extra: dict[str, Any] | None = None) -> Path:
-    """Write a resharding checkpoint of ``model`` and ``optimizer`` (a kiln optimizer, a
-    :class:`~kiln.parallel.ZeroOptimizer`, any torch optimizer) to ``directory``. A
-    collective: call it on every rank. ``extra``: small JSON-serialisable metadata (step
-    count, RNG seeds, scheduler state) written by rank 0. Returns the directory."""
+def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimizer | None = None,
+                 extra: dict[str, Any] | None = None, *, masters: dict[str, torch.Tensor] | None = None,
+                 files: dict[str, Any] | None = None) -> Path:
+    """Write a resharding checkpoint of ``model`` and ``optimizer`` to ``directory``. A
+    collective: call it on every rank, each with what it holds.
+
+    Args:
+        model: the model, or a list of the modules this rank holds (pipeline stages whose
+            parameter names are those of the whole model).
+        optimizer: a kiln optimizer, a :class:`~kiln.parallel.ZeroOptimizer`, any torch optimizer.
+        extra: small JSON-serialisable metadata (step count, scheduler state), rank 0's.
+        masters: FQN -> the tensor the optimizer steps for that parameter, where it is not the
+            model's own (bf16-true: the fp32 master weights); saved as ``master.<fqn>``.
+        files: this rank's own small objects, ``{file name: object}``, written with
+            ``torch.save`` into the directory (names must differ between ranks); read them
+            back with ``torch.load(..., weights_only=True)``.
+
+    Returns the directory."""
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    rank, world = _rank(), dist.get_world_size() if _dist() else 1
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that died
     _barrier()
-    tensors: dict[str, Any] = {_MODEL + k: v for k, v in get_model_state_dict(model).items()}
-    meta: dict[str, Any] = {"format": "kiln-dcp-1", "world_size": dist.get_world_size() if _dist() else 1,
-                            "extra": extra or {}, "param_groups": [], "state": {}}
-    if optimizer is not None:
-        osd = optimizer.state_dict()  # ZeroOptimizer: a collective (gathers the shards)
-        fqn = _fqn_of_index(model, optimizer)
-        for idx, st in osd["state"].items():
-            name = fqn[idx]
-            entry: dict[str, Any] = {"tensors": [], "other": {}}
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"{_STATE}{name}.{k}"] = v
-                    entry["tensors"].append(k)
-                else:
-                    entry["other"][k] = _jsonable(v)
-            meta["state"][name] = entry
-        for g in osd["param_groups"]:
-            hp = {k: _jsonable(v) for k, v in g.items() if k != "params"}
-            meta["param_groups"].append({"hyper": hp, "params": [fqn[i] for i in g["params"] if i in fqn]})
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.filterwarnings("ignore", message=".*single process")
-        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _dist())
-    _barrier()
-    if _rank() == 0:
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        old = final.with_name(final.name + ".old")
-        if final.exists():
+    try:
+        tensors: dict[str, Any] = {_MODEL + k: v for k, v in _model_state(model).items()}
+        tensors.update({_MASTER + k: v for k, v in (masters or {}).items()})
+        names = _param_names(model, masters)
+        local: dict[str, Any] = {"state": {}, "param_groups": []}
+        chunks: dict[str, tuple[torch.Size, list]] = {}
+        if optimizer is not None:
+            indexed = [(i, p) for start, ps in _indexed_params(optimizer) for i, p in enumerate(ps, start)]
+            if any(id(p) not in names for _, p in indexed):
+                raise ValueError("save_sharded: the optimizer holds a parameter that is not in the model "
+                                 "(pass masters= for tensors it steps in the model's place)")
+            fqn = {i: names[id(p)] for i, p in indexed}
+            if _is_zero(optimizer):
+                osd = Optimizer.state_dict(optimizer.optimizer)  # hyperparameters; state below
+                for name, i, pk, state_names, boxes in _zero_pieces(optimizer, names, load=False):
+                    if float(pk.step_vec[i]) == 0:
+                        continue  # never stepped: no state, as in torch.optim
+                    entry = {"tensors": [], "other": {}}
+                    if optimizer.optimizer._has_step_state:
+                        tensors[f"{_STATE}{name}.step"] = pk.step_vec[i].clone()
+                        entry["tensors"].append("step")
+                    p = pk.params[i]
+                    for k in state_names:
+                        chunks[f"{_STATE}{name}.{k}"] = (p.shape, boxes.get(k, []))
+                        entry["tensors"].append(k)
+                    local["state"][name] = entry
+            else:
+                osd = optimizer.state_dict()
+                for idx, st in osd["state"].items():
+                    entry = {"tensors": [], "other": {}}
+                    for k, v in st.items():
+                        if torch.is_tensor(v):
+                            tensors[f"{_STATE}{fqn[idx]}.{k}"] = v
+                            entry["tensors"].append(k)
+                        else:
+                            entry["other"][k] = _jsonable(v)
+                    local["state"][fqn[idx]] = entry
+            for g in osd["param_groups"]:
+                hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
+                local["param_groups"].append({"hyper": hyper, "params": [fqn[i] for i in g["params"] if i in fqn]})
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.filterwarnings("ignore", message=".*single process")
+            dcp.save(tensors, checkpoint_id=str(tmp), planner=_SavePlanner(chunks), no_dist=not _dist())
+        for name, obj in (files or {}).items():
+            with open(tmp / name, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        parts = [None] * world
+        if world > 1:
+            dist.all_gather_object(parts, local)  # also the barrier: every rank's files are written
+        else:
+            parts = [local]
+        if rank == 0:
+            meta = {"format": FORMAT, "world_size": world, "extra": extra or {}, **_merge_meta(parts)}
+            text = json.dumps(meta, indent=1)  # raises on anything that is not JSON
+            with open(tmp / META_FILE, "w") as f:  # last: a directory without it is incomplete
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            old = final.with_name(final.name + ".old")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
             shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
+        raise
     _barrier()
     return final
 
 
-# -- loading ------------------------------------------------------------------------------------
+# -- reading ------------------------------------------------------------------------------------
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "ChunkStorageMetadata",
+                                              "TensorProperties", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "builtins": {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
+                 "complex", "slice", "NoneType"},
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits only DCP's metadata dataclasses, torch dtypes/Size and plain containers."""
 
-    _BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
-                 "complex", "slice", "NoneType", "getattr"}
-
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # DCP's metadata dataclasses and enums, never functions
-                return obj
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype,
                                                                                               torch.layout,
                                                                                               torch.memory_format))):
-            return super().find_class(module, name)
-        if (module, name) in (("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
-                              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")):
-            return super().find_class(module, name)
-        if module == "builtins" and name in self._BUILTINS - {"getattr"}:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"load_sharded: refusing to unpickle {module}.{name} from the DCP metadata")
 
@@ -184,40 +407,101 @@ class _SafeReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        # DCP unpickles byte entries with weights_only=False: kiln writes none, and reads none
+        odd = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
+        if odd:
+            raise pickle.UnpicklingError(f"load_sharded: entries {odd[:3]} are pickled objects, not tensors")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def _restore(v: Any, like: Any) -> Any:
-    if isinstance(like, tuple) and isinstance(v, list):
-        return tuple(v)
-    return v
+def check_sharded(directory: str | os.PathLike) -> dict[str, Any]:
+    """The JSON metadata of a complete :func:`save_sharded` directory; ValueError saying what is
+    missing or cut short otherwise. Reads no tensor data: it checks that the metadata files load
+    and that every data file is as long as the metadata says."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no readable {META_FILE} ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{META_FILE} is not kiln's ({FORMAT})")
+    try:
+        storage = _SafeReader(str(path)).read_metadata().storage_data
+    except Exception as exc:  # missing, truncated, or holding what the unpickler refuses
+        raise ValueError(f"DCP metadata unreadable ({type(exc).__name__}: {exc})") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            raise ValueError(f"data file {name} is {'missing' if have is None else f'{have} of {size} bytes'}")
+    return meta
+
+
+def read_sharded(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of a :func:`save_sharded` checkpoint, whole, in this process (no process
+    group needed), and its JSON metadata: ``({"model.<fqn>": ..., "optim.state.<fqn>.<name>":
+    ..., "master.<fqn>": ...}, meta)``."""
+    path = Path(directory)
+    meta = json.loads((path / META_FILE).read_text())
+    reader = _SafeReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(tensors, checkpoint_id=str(path), storage_reader=reader, no_dist=True)
+    return tensors, meta
 
 
 @torch.no_grad()
-def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None = None,
-                 *, strict: bool = True) -> dict[str, Any]:
-    """Load a :func:`save_sharded` checkpoint into ``model`` (plain or FSDP2) and ``optimizer``
-    (kiln arena optimizer, ZeroOptimizer, kiln ``contiguous=False`` over DTensors, torch
-    optimizers), whatever the world size and sharding it was saved with. A collective: call it
-    on every rank, after building the model (and ``apply_fsdp``) and the optimizer. Returns the
+def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimizer | None = None,
+                 *, strict: bool = True, masters: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Load a :func:`save_sharded` checkpoint into ``model`` (plain, FSDP2, tensor parallel, or
+    the list of pipeline stages this rank holds), ``optimizer`` (kiln arena optimizer,
+    ZeroOptimizer, kiln ``contiguous=False`` over DTensors, torch optimizers) and ``masters``
+    (as given to :func:`save_sharded`, loaded in place), whatever the world size and sharding it
+    was saved with. A collective: call it on every rank, after building the model (and
+    ``apply_fsdp``) and the optimizer. Each rank reads only the FQNs it holds. Returns the
     ``extra`` dict given at save time."""
     path = Path(directory)
     meta = json.loads((path / META_FILE).read_text())
     reader = _SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
-    msd = get_model_state_dict(model)
-    targets: dict[str, Any] = {_MODEL + k: v for k, v in msd.items()}
+    states = [get_model_state_dict(m) for m in _modules(model)]
+    targets: dict[str, Any] = {_MODEL + k: v for sd in states for k, v in sd.items()}
+    targets.update({_MASTER + k: v for k, v in (masters or {}).items()})
     missing = [k for k in targets if k not in saved]
     if missing and strict:
         raise KeyError(f"load_sharded: {path} has no entries for {missing[:5]}{'...' if len(missing) > 5 else ''}")
     for k in missing:
         targets.pop(k)
+    names = _param_names(model, masters)
     opt_targets: dict[str, dict[str, Any]] = {}
-    if optimizer is not None:
-        names = _param_names(model)
+    chunks: dict[str, list] = {}
+    zero_steps: list[tuple[Any, int, torch.Tensor | float]] = []  # (pack, index, its step count)
+    if optimizer is not None and _is_zero(optimizer):
+        for fqn, i, pk, _, boxes in _zero_pieces(optimizer, names, load=True):
+            entry = meta["state"].get(fqn)
+            # torch's convention: a parameter without state has step 0; one with state but no
+            # 'step' entry (kiln SGD) counts as stepped
+            step: torch.Tensor | float = 0.0 if entry is None else 1.0
+            if entry is not None and "step" in entry["tensors"]:
+                step = targets[f"{_STATE}{fqn}.step"] = torch.zeros(saved[f"{_STATE}{fqn}.step"].size,
+                                                                      dtype=pk.step_vec.dtype)
+            zero_steps.append((pk, i, step))
+            for k, pieces in boxes.items():
+                if entry is not None and k in entry["tensors"]:
+                    chunks[f"{_STATE}{fqn}.{k}"] = pieces
+                else:
+                    for _, _, view in pieces:
+                        view.zero_()  # no saved state for this parameter: as if never stepped
+    elif optimizer is not None:
         for _, ps in _indexed_params(optimizer):
             for p in ps:
                 fqn = names.get(id(p))
@@ -237,36 +521,53 @@ def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: Opti
                 opt_targets[fqn] = st
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.load(targets, checkpoint_id=str(path), storage_reader=reader, no_dist=not _dist())
-    set_model_state_dict(model, {k[len(_MODEL):]: v for k, v in targets.items() if k.startswith(_MODEL)},
-                         options=StateDictOptions(strict=strict))
-    if optimizer is not None:
-        _load_optimizer(optimizer, model, meta, opt_targets)
-    return meta["extra"]
-
-
-def _load_optimizer(optimizer: Optimizer, model: nn.Module, meta: dict[str, Any],
-                    opt_targets: dict[str, dict[str, Any]]) -> None:
-    names = _param_names(model)
-    group_of_fqn = {}
-    for sg in meta["param_groups"]:
-        for fqn in sg["params"]:
-            group_of_fqn.setdefault(fqn, sg["hyper"])
+        dcp.load(targets, checkpoint_id=str(path), storage_reader=reader, planner=_LoadPlanner(chunks),
+                 no_dist=not _dist())
+    for m, sd in zip(_modules(model), states):
+        set_model_state_dict(m, {k: targets[_MODEL + k] for k in sd if _MODEL + k in targets},
+                             options=StateDictOptions(strict=strict))
+    if optimizer is None:
+        return meta["extra"]
+    hyper_of = _hyper_of(optimizer, names, meta)
+    if _is_zero(optimizer):
+        for g, hyper in zip(optimizer.param_groups, hyper_of):
+            g.update(hyper)
+        for pk, i, step in zero_steps:
+            pk.step_vec[i] = float(step)
+        for pk in optimizer.optimizer._packs:
+            pk.set_uniform()
+        return meta["extra"]
     state: dict[int, dict[str, Any]] = {}
     groups = []
     seen: set[int] = set()
-    for start, ps in _indexed_params(optimizer):
-        g = optimizer.param_groups[len(groups)]
-        hyper = next((group_of_fqn[names[id(p)]] for p in ps if names.get(id(p)) in group_of_fqn), {})
-        groups.append({**{k: _restore(hyper.get(k, v), v) for k, v in g.items() if k != "params"},
-                       "params": list(range(start, start + len(ps)))})
+    for (start, ps), hyper in zip(_indexed_params(optimizer), hyper_of):
+        groups.append({**hyper, "params": list(range(start, start + len(ps)))})
         for i, p in enumerate(ps, start):
             if id(p) in seen:
                 continue
             seen.add(id(p))
             fqn = names.get(id(p))
             if fqn in opt_targets:
-                st = dict(opt_targets[fqn])
-                st.update(meta["state"][fqn]["other"])
-                state[i] = st
+                state[i] = {**opt_targets[fqn], **meta["state"][fqn]["other"]}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return meta["extra"]
+
+
+def _restore(v: Any, like: Any) -> Any:
+    if isinstance(like, tuple) and isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def _hyper_of(optimizer: Optimizer, names: dict[int, str], meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each current group's hyperparameters: the saved ones of the group its parameters were in
+    (the current values where nothing was saved), JSON lists back to tuples where torch has tuples."""
+    group_of_fqn: dict[str, dict[str, Any]] = {}
+    for sg in meta["param_groups"]:
+        for fqn in sg["params"]:
+            group_of_fqn.setdefault(fqn, sg["hyper"])
+    out = []
+    for g in optimizer.param_groups:
+        hyper = next((group_of_fqn[names[id(p)]] for p in g["params"] if names.get(id(p)) in group_of_fqn), {})
+        out.append({k: _restore(hyper.get(k, v), v) for k, v in g.items() if k != "params"})
+    return out

@@ -1,19 +1,37 @@
-"""Checkpoints that continue a run exactly, and finding the one to resume from.
+"""Checkpoints that continue a run exactly, in any layout, and finding the one to resume from.
 
-A checkpoint holds the model, the optimizer (its arena state), the schedule, the loss scaler,
-the step, the position in the data (epoch and micro-batches consumed in it), the early-stopping
-state and the RNG states of Python, NumPy and torch, so that training N steps, being killed,
-and resuming gives, on CPU, the same weights to the bit as training 2N steps in one go.
+A checkpoint is a directory ``RUN_DIR/checkpoints/<name>/`` (``step-XXXXXXXX``, ``best``,
+``final``) that every rank writes with ``torch.distributed.checkpoint``
+(:func:`kiln.parallel.save_sharded`)::
 
-Files are written atomically (temporary name, fsync, rename), so a kill in the middle of a save
-never damages the last good checkpoint, and they are read with ``weights_only=True``: loading
-never executes code from the file.
+    .metadata, __<rank>_0.distcp  tensors by name: model.<fqn>, optim.state.<fqn>.<state>,
+                                  master.<fqn> (bf16-true's fp32 weights); each rank writes
+                                  what it holds (its ZeRO or FSDP shard, its pipeline stage),
+                                  tensors that ranks hold alike once
+    kiln_meta.json                parameter groups, non-tensor optimizer state, and under
+                                  "extra" the trainer's state: step, data position (epoch,
+                                  micro-batches into it), scheduler, loss scaler, best-tracker,
+                                  loss window, totals, config, kiln version
+    rng-00000.pt, rng-00001.pt..  each rank's RNG states (Python, NumPy, torch, CUDA)
+
+so that training N steps, being killed, and resuming gives, on CPU, the same weights to the
+bit as training 2N steps in one go; and a run saved in one layout (processes, ZeRO stage,
+FSDP, pipeline stages, tensor parallel) resumes in another with the same weights: DCP reads
+each tensor by name into however the resuming run shards it. A resume with the same number of
+processes restores every rank's RNG; with another, every rank takes rank 0's.
+
+Writing is atomic (a ``.tmp`` directory renamed into place after its last file), so a kill in
+the middle of a save never leaves a directory that looks complete and never damages the last
+good checkpoint. Reading never executes code from the files: JSON, ``torch.load`` with
+``weights_only=True``, and DCP's metadata through an unpickler that admits only its own
+metadata classes.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +39,24 @@ import numpy as np
 import torch
 
 # Keys that may differ between a run's config and its checkpoint on resume: they change how long
-# or how visibly the run goes on, never what it computes.
+# or how visibly the run goes on, or how it is laid out over processes, never what it computes.
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.progress",
     "train.checkpoint_every", "train.keep_checkpoints", "train.output_dir", "train.run_name",
     "train.loggers", "train.early_stopping",
-    # the layout: checkpoints hold full, unsharded state, and every layout computes the same step
-    "parallel.dp", "parallel.zero", "parallel.timeout_s", "data.workers", "data.persistent_workers",
-    "data.prefetch_factor", "data.pin_memory",
+    # the layout: checkpoints are keyed by parameter name and reshard on load
+    "parallel.", "data.workers", "data.persistent_workers", "data.prefetch_factor", "data.pin_memory",
 )
 
-_STEP_FILE = re.compile(r"step-(\d+)\.pt$")
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng-{rank:05d}.pt"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
+    """A checkpoint that cannot be used; the message names it and what to do."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -63,49 +84,152 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+# ---------------------------------------------------------------------------------- writing
+
+
+def named_masters(model: torch.nn.Module, precision: Any) -> dict[str, torch.Tensor] | None:
+    """bf16-true: parameter name -> the fp32 master weight the optimizer steps in its place
+    (the model holds bf16 copies, views into bf16 arenas laid out like the fp32 ones)."""
+    masters = precision.masters
+    if masters is None:
+        return None
+    name_of = {p.data_ptr(): n for n, p in model.named_parameters()}
+    out = {}
+    for (_, low), (_, params) in zip(masters.pairs, masters.optimizer.packed_params()):
+        for view, p in zip(low.pviews, params):
+            out[name_of[view.data_ptr()]] = p
+    return out
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any,
+                    state: dict[str, Any]) -> Path:
+    """Write checkpoint directory ``path``: a collective, every rank calls it. ``state`` (the
+    trainer's non-tensor state, JSON) is rank 0's; every rank adds its own RNG states."""
+    import torch.distributed as dist
+
+    from kiln.parallel._checkpoint import save_sharded  # DCP: imported at the first save
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return save_sharded(path, model, optimizer, extra=state, masters=named_masters(model, precision),
+                        files={_rng_file(rank): rng_state()})
+
+
+def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> None:
+    """Load a checkpoint's model, optimizer and master weights into this run, whatever its
+    layout: a collective; each rank reads the parts it holds."""
+    from kiln.parallel._checkpoint import load_sharded
+
+    load_sharded(path, model, optimizer, masters=named_masters(model, precision))
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The trainer's state in checkpoint ``path`` (step, data position, scheduler, ..., and
+    ``rng``: every rank's RNG states, in rank order), after checking that the directory is
+    complete; a CheckpointError naming it otherwise. Reads no tensor data."""
+    from kiln.parallel._checkpoint import check_sharded
+
+    try:
+        meta = check_sharded(path)
+        rng = [torch.load(path / _rng_file(r), map_location="cpu", weights_only=True)
+               for r in range(meta["world_size"])]
+        state = dict(meta["extra"])
+        if "step" not in state:
+            raise ValueError("no trainer state in it")
+    except Exception as exc:  # missing file, cut short, bad pickle, unsafe global: all "unusable"
+        reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({reason})") from None
+    return {**state, "rng": rng}
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Read a kiln checkpoint in one process, whatever layout wrote it, without executing code
+    from it: ``{"model": {name: tensor}, "optimizer": torch.optim-layout state dict,
+    "masters": {name: fp32 tensor} (bf16-true) or None, "step", "scheduler", "rng", ...}``,
+    every tensor whole. A damaged checkpoint is a CheckpointError naming it.
+
+        >>> ckpt = load_checkpoint("runs/digits_vit-20260101-120000/checkpoints/final")  # doctest: +SKIP
+        >>> model.load_state_dict(ckpt["model"])                                         # doctest: +SKIP
+    """
+    path = Path(path)
+    if path.is_file():  # a single-file checkpoint of kiln before sharded checkpoints
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(state, dict) or "model" not in state or "step" not in state:
+            raise CheckpointError(f"{path} is not a kiln checkpoint (no model state or step)")
+        return state
+    state = read_state(path)
+    from kiln.parallel._checkpoint import read_sharded
+
+    try:
+        tensors, meta = read_sharded(path)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(exc).__name__}: {exc})") from None
+    if map_location not in (None, "cpu"):
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+
+    def under(prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    # torch.optim's layout: parameters numbered through the groups in order
+    opt_state: dict[int, dict[str, Any]] = {}
+    groups, index = [], 0
+    for group in meta["param_groups"]:
+        ids = list(range(index, index + len(group["params"])))
+        for i, fqn in zip(ids, group["params"]):
+            entry = meta["state"].get(fqn)
+            if entry is not None:
+                opt_state[i] = {**{k: tensors[f"optim.state.{fqn}.{k}"] for k in entry["tensors"]}, **entry["other"]}
+        groups.append({**group["hyper"], "params": ids})
+        index += len(ids)
+    masters = under("master.")
+    return {**state, "model": under("model."), "optimizer": {"state": opt_state, "param_groups": groups},
+            "masters": masters or None}
+
+
+def _candidates(run_dir: Path) -> list[Path]:
+    """The run's checkpoints to resume from, oldest first: periodic ones by step, then final."""
+    found = step_checkpoints(run_dir)
+    final = run_dir / "checkpoints" / "final"
+    return [p for _, p in found] + ([final] if final.is_dir() else [])
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return bool(_candidates(run_dir))
+
+
 def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of the periodic checkpoints, oldest first."""
     found = []
-    for path in (run_dir / "checkpoints").glob("step-*.pt"):
-        match = _STEP_FILE.search(path.name)
-        if match:
+    for path in (run_dir / "checkpoints").glob("step-*"):
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
-def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a kiln checkpoint without executing code from it (``weights_only=True``); a
-    damaged file is a CheckpointError naming it."""
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated zip, bad pickle, unsafe global: all mean "unusable"
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise CheckpointError(f"{path} is not a kiln checkpoint (no model state or step)")
-    return state
-
-
 def latest(run_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint of a run that loads; if the newest is damaged, the error names
-    it and the last good one."""
-    candidates = [p for _, p in step_checkpoints(run_dir)]
-    final = run_dir / "checkpoints" / "final.pt"
-    if final.exists():
-        candidates.append(final)
+    """The newest complete checkpoint of a run and its trainer state; if the newest is damaged,
+    the error names it and the last good one."""
+    candidates = _candidates(run_dir)
     if not candidates:
         raise CheckpointError(
             f"{run_dir} has no checkpoint to resume from (checkpoints/ is empty); the run stopped before "
-            "its first save. Start it again with `kiln train {run_dir}/config.yaml`, and set "
+            f"its first save. Start it again with `kiln train {run_dir}/config.yaml`, and set "
             "train.checkpoint_every=N to save every N steps"
         )
     newest = candidates[-1]
     try:
-        return newest, load_checkpoint(newest)
+        return newest, read_state(newest)
     except CheckpointError as exc:
         good = None
         for path in reversed(candidates[:-1]):
             try:
-                load_checkpoint(path)
+                read_state(path)
                 good = path
                 break
             except CheckpointError:
@@ -135,24 +259,32 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Keep the newest ``keep`` periodic checkpoints; final.pt and best.pt are never removed."""
-    found = step_checkpoints(run_dir)
-    for _, path in found[: max(0, len(found) - keep)]:
-        path.unlink(missing_ok=True)
+    """Keep the newest ``keep`` periodic checkpoints (final and best are never removed), and
+    clear the debris of saves that died. Call it when no save is under way."""
+    doomed = [path for _, path in step_checkpoints(run_dir)]
+    doomed = doomed[: max(0, len(doomed) - keep)]
+    for path in doomed:
+        # renamed first, so that a kill in the middle of the removal leaves debris, never a
+        # half-deleted directory that looks like a checkpoint
+        path.rename(path.with_name(path.name + ".tmp"))
+    for pattern in ("*.tmp", "*.old"):
+        for path in (run_dir / "checkpoints").glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint to continue ``run_dir`` from, after checking it matches ``cfg``."""
+    """The checkpoint to continue ``run_dir`` from and its trainer state, after checking that
+    it matches ``cfg``."""
     from kiln.config import ConfigError
 
-    path, ckpt = latest(run_dir)
-    mismatch = config_mismatch(ckpt.get("config") or {}, plain(cfg))
+    path, state = latest(run_dir)
+    mismatch = config_mismatch(state.get("config") or {}, plain(cfg))
     if mismatch:
         raise ConfigError(
             f"{run_dir}/config.yaml does not match checkpoint {path.name}: " + "; ".join(mismatch)
             + ". Resume with the config the checkpoint was trained with, or start a new run"
         )
-    return path, ckpt
+    return path, state
 
 
 def plain(cfg: Any) -> dict[str, Any]:

@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
 CONFIG = "config.yaml"
@@ -123,13 +121,6 @@ class RunDir:
     def write_summary(self, **updates: Any) -> None:
         self.summary.update(updates)
         atomic_write_text(self.path / SUMMARY, json.dumps(self.summary, indent=2, sort_keys=False) + "\n")
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_checkpoint(self, name: str, state: dict[str, Any]) -> Path:
-        path = self.checkpoints / f"{name}.pt"
-        atomic_write_bytes(path, lambda f: torch.save(state, f))
-        return path
 
 
 def _fmt(value: Any) -> Any:

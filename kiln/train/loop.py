@@ -47,17 +47,11 @@ from kiln.train._build import (
     seed_everything,
 )
 from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
-from kiln.train._checkpoint import checkpoint_to_resume, plain, prune, rng_state, set_rng_state
-from kiln.train._fsdp_state import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
+from kiln.train._checkpoint import checkpoint_to_resume, load_into, plain, prune, save_checkpoint, set_rng_state
 from kiln.train._plot import plot_loss
 from kiln.train._progress import Progress
-from kiln.train._ranks import NullRun, broadcast_path, data_parallel_size, gather, mean_over_ranks
-from kiln.train._run_dir import CONFIG, RunDir
+from kiln.train._ranks import NullRun, broadcast_path, data_parallel_size, mean_over_ranks
+from kiln.train._run_dir import CHECKPOINTS, CONFIG, RunDir
 from kiln.train._tasks import evaluate, loss_fn, metric_names
 
 
@@ -169,18 +163,15 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     window_steps, train_seconds, samples_seen, elapsed_before = 0, 0.0, 0, 0.0
     if resumed is not None:
         ckpt = resumed[1]
-        if fsdp:
-            load_full_model_state(plain_model, ckpt["model"])
-            load_full_optimizer_state(optimizer, ckpt["optimizer"])
-        else:
-            plain_model.load_state_dict(ckpt["model"])  # copies into the arena; never assign=True
-            optimizer.load_state_dict(ckpt["optimizer"])
+        # every rank reads its part of each tensor, however this run shards it; into the
+        # arena in place (never assign=True)
+        load_into(resumed[0], plain_model, optimizer, precision)
         scheduler.load_state_dict(ckpt["scheduler"])
         precision.load_state_dict(ckpt["precision"])
         if best is not None and ckpt.get("best"):
             best.load_state_dict(ckpt["best"])
         start_step, epoch, position = ckpt["step"], ckpt["data"]["epoch"], ckpt["data"]["position"]
-        window_loss += ckpt["window"]["loss"].to(device)
+        window_loss += ckpt["window"]["loss"]
         window_steps = ckpt["window"]["steps"]
         train_seconds, samples_seen = ckpt["totals"]["train_seconds"], ckpt["totals"]["samples_seen"]
         elapsed_before = ckpt["totals"]["wall_seconds"]
@@ -216,20 +207,21 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     layout = f", {world} processes" if world > 1 else ""
     progress.message(f"kiln: {n_params:,} parameters on {device}{layout}, steps {start_step + 1}..{total_steps} -> {run.path}")
 
-    def checkpoint(step: int) -> dict[str, Any]:
-        # Every rank takes part (the RNG states are gathered); rank 0 alone writes the file.
-        return {
-            # full, unsharded state in every layout, so that any layout can resume from it
-            "model": full_model_state(plain_model) if fsdp else plain_model.state_dict(),
-            "optimizer": full_optimizer_state(optimizer) if fsdp else optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "precision": precision.state_dict(),
-            "best": best.state_dict() if best else None, "step": step,
-            "data": {"epoch": batches.epoch, "position": batches.position}, "rng": gather(rng_state(), world),
-            "window": {"loss": window_loss.detach().cpu().clone(), "steps": window_steps},
+    def checkpoint(name: str, step: int) -> None:
+        # A collective: every rank writes its own shards and RNG states into checkpoints/<name>/
+        # (tensors keyed by parameter name, so any layout resumes from it); this is rank 0's
+        # non-tensor state, as JSON (the fp32 master weights of bf16-true are tensors there).
+        save_checkpoint(run.path / CHECKPOINTS / name, plain_model, optimizer, precision, {
+            "step": step, "scheduler": scheduler.state_dict(),
+            "precision": {"mode": precision.mode,
+                          "scaler": precision.scaler.state_dict() if precision.scaler else None},
+            "best": best.state_dict() if best else None,
+            "data": {"epoch": batches.epoch, "position": batches.position},
+            "window": {"loss": window_loss.item(), "steps": window_steps},
             "totals": {"train_seconds": train_seconds, "samples_seen": samples_seen,
                        "wall_seconds": elapsed_before + time.perf_counter() - wall_start},
             "config": plain(cfg), "kiln_version": kiln.__version__,
-        }
+        })
 
     window_start = time.perf_counter()
     last_train_loss, last_eval, grad_norm, compile_seconds = float("nan"), {}, None, None
@@ -287,7 +279,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 if best is not None:
                     improved, stop = best.update(step, row)
                     if improved:
-                        run.save_checkpoint("best", checkpoint(step))  # a no-op off rank 0
+                        checkpoint("best", step)
                     if stop and stopper is not None:
                         stopped = {"step": step, "reason": stopper.reason}
             if row:
@@ -305,13 +297,13 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 progress.message(f"kiln: early stop at step {step}: {stopped['reason']}")
                 break
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
-                run.save_checkpoint(f"step-{step:08d}", checkpoint(step))
+                checkpoint(f"step-{step:08d}", step)
                 if main:
                     prune(run.path, tc.keep_checkpoints)
 
         if stopped and window_steps:  # the loss of the steps since the last log
             last_train_loss = mean_over_ranks(window_loss / window_steps, world).item()
-        run.save_checkpoint("final", checkpoint(step))
+        checkpoint("final", step)
         summary = dict(
             status="completed", steps=step,
             epochs=round(step * tc.accumulate / len(data.train), 4),
