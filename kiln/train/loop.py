@@ -35,7 +35,8 @@ import torch
 
 import kiln
 from kiln.config import save_config
-from kiln.parallel import ZeroOptimizer, all_reduce_gradients, broadcast_parameters, init_distributed
+from kiln.parallel import ZeroOptimizer, broadcast_parameters, init_distributed
+from kiln.parallel._layout import parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches
 from kiln.train._build import (
@@ -50,9 +51,9 @@ from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
 from kiln.train._checkpoint import checkpoint_to_resume, load_into, plain, prune, save_checkpoint, set_rng_state
 from kiln.train._plot import plot_loss
 from kiln.train._progress import Progress
-from kiln.train._ranks import NullRun, broadcast_path, data_parallel_size, mean_over_ranks
+from kiln.train._ranks import NullRun, broadcast_path, check_layout, mean_over_ranks
 from kiln.train._run_dir import CHECKPOINTS, CONFIG, RunDir
-from kiln.train._tasks import evaluate, loss_fn, metric_names
+from kiln.train._tasks import evaluate, loss_fn, loss_from_logits, metric_names
 
 
 @dataclass
@@ -66,30 +67,6 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
-                   fsdp_model: torch.nn.Module | None = None) -> torch.Tensor:
-    """Clip the global gradient norm (over all ranks' shards under ZeRO); returns the norm
-    before clipping."""
-    if fsdp_model is not None:
-        from kiln.parallel import clip_grad_norm_
-
-        return clip_grad_norm_(fsdp_model.parameters(), max_norm)
-    if isinstance(optimizer, ZeroOptimizer):
-        return optimizer.clip_grad_norm_(max_norm)
-    import kiln.optim
-
-    return kiln.optim.clip_grad_norm_(optimizer, max_norm)
-
-
-def _reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Average the gradients over the data-parallel ranks: one all-reduce per arena (zero=0)
-    or one reduce-scatter into this rank's shard (ZeRO-1/2)."""
-    if isinstance(optimizer, ZeroOptimizer):
-        optimizer.reduce_gradients()
-    else:
-        all_reduce_gradients(optimizer)
 
 
 def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
@@ -106,7 +83,9 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         torch.set_num_threads(tc.threads)
     rank, world = init_distributed(cfg.parallel.timeout_s)
     main = rank == 0
-    dp = data_parallel_size(cfg, world)
+    layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
+    coords = layout.coords(rank)  # this rank's place: {"pp": .., "dp": .., "tp": ..}
+    dp = layout.dp
     device = pick_device(tc.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
@@ -115,29 +94,37 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
 
     # ---- build everything before touching the disk --------------------------------------
     precision = Precision(tc.precision, device)
-    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate * dp, device=device)
+    # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
+    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate * dp, device=device,
+                      rank=coords["dp"], world_size=dp)
     model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac
 
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
-    fsdp = world > 1 and cfg.parallel.zero == 3
-    if fsdp:
-        from kiln.parallel import apply_fsdp
-
-        # ZeRO-3: FSDP2 shards every block's parameters; the optimizer then steps the local
-        # shards in multi-tensor mode (there is no one flat arena to slice).
-        model = apply_fsdp(model)
-    optimizer = build_optimizer(cfg.optim, model, contiguous=False if fsdp else None)
+    # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; `model` is
+    # now this rank's part, under the whole model's parameter names. The pipeline schedule
+    # calls the loss itself, once per micro-batch: divided by K, as below.
+    par = parallelize(model, layout, zero=cfg.parallel.zero, sequence_parallel=cfg.parallel.sequence_parallel,
+                      pp_schedule=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches,
+                      pp_stages=cfg.parallel.pp_stages, device=device,
+                      loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
+    model = par.model
+    # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
+    # (there is no one flat arena to slice).
+    optimizer = build_optimizer(cfg.optim, model, contiguous=None if par.arena else False)
     precision.attach(model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
     if world > 1:
-        if not fsdp:  # (FSDP2 kept each rank's shard of identical, same-seed weights)
-            broadcast_parameters(optimizer)  # rank 0's weights everywhere, whatever each rank built
-        torch.manual_seed(tc.seed + rank)  # but each rank its own dropout masks
-        if cfg.parallel.zero in (1, 2):
+        if par.arena and dp > 1:  # (FSDP2 and TP kept each rank's part of identical, same-seed weights)
+            broadcast_parameters(optimizer, group=par.dp_group)  # replica 0's weights in every replica
+        # each replica and stage its own dropout masks; the tp ranks of one replica the same
+        # ones, as they hold the same activations
+        torch.manual_seed(tc.seed + coords["dp"] + dp * coords["pp"])
+        if cfg.parallel.zero in (1, 2) and dp > 1:
             # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
             # contiguous shard of every arena; from here on only the wrapper is used.
-            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero)
+            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group)
     plain_model = model
     if tc.compile:
         from kiln.compile import apply_compile
@@ -155,7 +142,6 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
     best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best.pt
-    n_params = sum(p.numel() for p in plain_model.parameters())
 
     # ---- state: fresh, or exactly where the checkpoint left off ---------------------------
     start_step, epoch, position = 0, 0, 0  # resume point: step done, epoch, batches into it
@@ -204,8 +190,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                       "samples_per_second", "peak_memory_mb", "wall_seconds", *evals])
     loggers = [TensorBoardLogger(run.path / "tensorboard")] if "tensorboard" in tc.loggers else []
     progress = Progress(total_steps, mode=tc.progress if main else "none", initial=start_step)
-    layout = f", {world} processes" if world > 1 else ""
-    progress.message(f"kiln: {n_params:,} parameters on {device}{layout}, steps {start_step + 1}..{total_steps} -> {run.path}")
+    shown_layout = f", {world} processes ({layout})" if world > 1 else ""
+    progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, steps {start_step + 1}..{total_steps} -> {run.path}")
 
     def checkpoint(name: str, step: int) -> None:
         # A collective: every rank writes its own shards and RNG states into checkpoints/<name>/
@@ -234,18 +220,23 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 _, (inputs, targets) = next(batches)
                 inputs = _to_device(inputs, device, precision.input_dtype)
                 targets = targets.to(device, non_blocking=True)
-                with precision.autocast():
-                    # Each micro-batch holds batch_size / K samples, so dividing its mean loss by
-                    # K makes the summed gradient that of the mean over the whole batch.
-                    loss = loss_fn(data.task, model, (inputs, targets)) / tc.accumulate
-                precision.backward(loss)  # fp16: backward of the scaled loss
-                window_loss += loss.detach()
+                if par.pipeline is not None:
+                    # the schedule runs forward and backward of every pipeline micro-batch
+                    with precision.autocast():
+                        loss = par.pipeline.step(inputs, targets)
+                else:
+                    with precision.autocast(), par.loss_context():
+                        # Each micro-batch holds batch_size / K samples, so dividing its mean loss
+                        # by K makes the summed gradient that of the mean over the whole batch.
+                        loss = loss_fn(data.task, model, (inputs, targets)) / tc.accumulate
+                        precision.backward(loss)  # fp16: backward of the scaled loss
+                window_loss += par.value(loss)
             # True fp32 gradients, averaged over the data-parallel ranks (one all-reduce per
             # arena, only now: the micro-steps before accumulated locally without any sync).
             # (FSDP2 reduce-scattered them during backward already.)
-            precision.finish_grads(optimizer, _reduce_gradients if world > 1 and not fsdp else None)
-            if tc.clip_grad_norm is not None:
-                grad_norm = clip_gradients(optimizer, tc.clip_grad_norm, plain_model if fsdp else None)
+            precision.finish_grads(optimizer, par.reduce_gradients if dp > 1 else None)
+            if tc.clip_grad_norm is not None:  # the norm over every shard, stage and rank
+                grad_norm = par.clip(optimizer, tc.clip_grad_norm)
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
                 scheduler.step()
             precision.zero_grad(optimizer)  # kiln's optimizers: one memset of the flat gradient
@@ -273,7 +264,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 window_steps = 0
             if (tc.eval_every and step % tc.eval_every == 0) or step == total_steps:
                 with precision.autocast():
-                    last_eval = evaluate(data.task, model, data.val, device, precision.input_dtype)
+                    last_eval = evaluate(data.task, model, data.val, device, precision.input_dtype,
+                                         forward=par.eval_forward(model), share=par.share_metrics)
                 row.update({f"eval_{k}": v for k, v in last_eval.items()})
                 # after each evaluation, in this order: best checkpoint, then early stopping
                 if best is not None:
@@ -311,7 +303,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             samples_per_second=samples_seen / max(train_seconds, 1e-9),
             peak_memory_mb=peak_memory_mb(device),
             wall_seconds=elapsed_before + time.perf_counter() - wall_start,
-            processes=world,
+            processes=world, layout={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
             compile_seconds=compile_seconds,
             skipped_steps=precision.scaler.skipped_steps if precision.scaler else 0,
             stopped_early=bool(stopped),
