@@ -1,0 +1,466 @@
+"""``kiln bench parallel``: a LiBai-style table of ``dp x tp x pp`` layouts for GPT and BERT.
+
+One row per (model, layout) for the layouts 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x1, 2x1x2, 1x2x2
+(dp x tp x pp), laid out by :func:`kiln.parallel._layout.parallelize` and trained with kiln's
+AdamW (fp32; arena when the layout allows it, multi-tensor over DTensor shards under tp) and
+the trainer's order: forward + backward (the 1F1B schedule over ``MICROBATCHES`` micro-batches
+when pp > 1), ``reduce_gradients`` over dp, ``step``, ``zero_grad``. Each layout runs in a
+spawned gloo group of dp*tp*pp processes with one intra-op thread each
+(``kiln.parallel._testing.run_distributed``); layouts with the same number of ranks share one
+group and run one after the other, both models each, every run on freshly built meshes and
+from freed memory (starting processes and importing torch, DTensor and pipelining costs more
+than a quick run's steps).
+Every layout trains the same global batch of random token ids (the loss value is not the
+point), each dp rank its slice of it, all tp ranks of a dp group the same slice. Per model:
+``WARMUP`` steps (the first one with a pipeline also runs torch's shape inference), ``STEPS``
+timed steps, then ``PROFILED`` steps under ``torch.profiler``. Columns, per row:
+
+- samples/s: global batch x timed steps / wall time between two barriers (rank 0's clock).
+- state MB: bytes of model state the rank really holds after a step, before ``zero_grad``:
+  parameters + gradients + optimizer state (AdamW's two moments and step counts), summing the
+  distinct storages behind the local tensors (a DTensor counts its ``_local_tensor``; the
+  arena's flat buffers count once, alignment padding included). The largest rank is shown
+  (with pp the stages differ: the first holds the embedding, the last the head). This is the
+  column that shows sharding: tp=2 and pp=2 about halve it, dp replicates it.
+- peak MB: the rank's peak RSS (``VmHWM``) above its RSS when the model run began (after
+  imports and process-group setup, and after the previous model was freed and
+  ``malloc_trim`` gave its pages back); it holds the whole model as every rank builds it
+  before cutting (same seed everywhere), the state, and the activations. Largest rank.
+- work MB: peak RSS during the timed steps above the RSS before them (state resident): what a
+  step adds on top, i.e. activations, autograd's saved tensors, communication buffers and
+  temporaries (and, in multi-tensor mode, the gradients that ``zero_grad`` frees each step).
+  Largest rank. RSS is in pages touched: glibc may reuse freed memory without touching new
+  pages, so treat it as a lower bound on what a step allocates.
+- comm ms: communication time per step, from ``torch.profiler`` (CPU activities) over the
+  profiled steps: on each rank, the union of the time intervals of every ``c10d::*``,
+  ``gloo:*`` and ``_c10d_functional::*`` event, on any thread (the ops on the main thread and
+  their execution on gloo's worker threads, waits for the peer included), divided by the
+  profiled steps. A union, so overlapping events count once; asynchronous p2p sends of the
+  pipeline count while in flight even where they overlap compute, so this is an upper bound
+  on the time communication costs. The slowest rank is shown; "comm %" is that over the
+  profiled step's wall time (the profiler slows steps a little).
+- bubble: for pp > 1, the idle share of the pipeline's rank-time, from
+  ``Pipeline.last_step_timing`` (built with ``timing=True``: ``compute_s`` is the time this
+  rank spent in its stages' forward/backward, ``wall_s`` its schedule run). For each timed
+  step and rank, ``1 - compute_s / W`` with ``W`` the longest ``wall_s`` among the ranks of
+  that pipeline (the schedules start together; the last stage returns before the first one
+  has drained, so a rank's own ``wall_s`` would hide part of its idle time); averaged over
+  the timed steps, then over all ranks ("bubble"; the largest rank's value and every rank's
+  are in the JSON). It is compared with two textbook numbers for p stages and m
+  micro-batches of equal cost: ``(p-1)/m`` (GPipe/Megatron: bubble time relative to the
+  *ideal* compute time m slots) and ``(p-1)/(m+p-1)`` (fill-drain: idle share of the *whole*
+  step, which lasts m+p-1 slots of which each rank computes m). What is measured is the
+  second kind, idle over wall, so ``(p-1)/(m+p-1)`` is the number to hold it against; it
+  comes out higher by p2p waits, the loss, the schedule's own Python, and unequal stages
+  (the first also embeds, the last also runs the head and the loss).
+
+On a 2-core CPU machine the absolute numbers say little; the shape of the table, the state
+column and the bubble column do. Layouts with 4 ranks share 2 cores: a stage computes at half
+speed while every rank computes and at full speed while the other stage idles, which shortens
+the idle slots against the compute ones and can pull the measured bubble of 1x2x2 and 2x1x2
+below ``(p-1)/(m+p-1)``. Linux only (RSS from ``/proc/self``).
+
+    kiln bench parallel            # or: kiln bench parallel --quick
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Shape legend: B batch (global unless said), T sequence length, V vocabulary.
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (dp, tp, pp)
+MODELS = ("gpt", "bert")
+MODEL = dict(vocab_size=256, seq_len=128, dim=256, depth=8, heads=8)  # 6.5 M parameters (GPT)
+BATCH, MICROBATCHES = 16, 4           # global batch per step; micro-batches per dp rank's batch (pp > 1)
+STEPS, WARMUP, PROFILED = 5, 2, 2  # warm-up: the first step of a pipeline also infers shapes
+QUICK_MODEL = dict(MODEL, seq_len=32, depth=4)  # 3.3 M parameters (GPT), far fewer tokens per step
+QUICK_BATCH = 8
+QUICK_STEPS, QUICK_WARMUP, QUICK_PROFILED = 2, 1, 1
+_COMM_PREFIXES = ("c10d::", "gloo:", "_c10d_functional::", "nccl:")
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # (B*T, V), (B*T,)
+
+
+# -- what a rank holds ----------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _held(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct, allocated storages behind tensors (DTensors: their local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _local(t).untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(params: list[torch.Tensor], opt: Any) -> dict[str, int]:
+    """Parameters, gradients and optimizer state this rank holds, in bytes (kiln optimizer in
+    arena or multi-tensor mode: arena buffers counted once, padding included)."""
+    grads = [p.grad for p in params if p.grad is not None] + [pk.arena.grad for pk in opt._packs]
+    state = [b for pk in opt._packs for b in pk.state.values()]
+    state += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return {"param_bytes": _held(params), "grad_bytes": _held(grads), "optim_bytes": _held(state)}
+
+
+class _Rss:
+    """Resident set size of this process in bytes, from ``/proc/self/status``, with the peak
+    (``VmHWM``) reset through ``/proc/self/clear_refs``."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:
+            self._trim = None
+
+    @staticmethod
+    def read() -> dict[str, int]:
+        text = Path("/proc/self/status").read_text()
+        return {k: int(re.search(rf"^{k}:\s+(\d+)", text, re.MULTILINE).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
+
+    def restart(self) -> int:
+        """Give freed heap pages back to the OS, reset the peak; return the RSS now (bytes)."""
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)  # freed memory glibc keeps would be reused without raising the RSS
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to VmRSS (Linux >= 4.0)
+        return self.read()["VmRSS"]
+
+
+# -- communication time -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    # kineto prints two "USDT: ... profiler_start/stop" lines per profile to fd 2 from C++
+    # (no switch turns them off); one run of this benchmark would print hundreds
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _comm_seconds(prof: Any) -> tuple[float, dict[str, float]]:
+    """Seconds during which any communication event was running on this rank (union over
+    threads), and the summed seconds per event name (for the JSON)."""
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.name.startswith(_COMM_PREFIXES):
+            a, b = e.time_range.start / 1e6, e.time_range.end / 1e6  # microseconds
+            spans.append((a, b))
+            by_name[e.name] = by_name.get(e.name, 0.0) + (b - a)
+    return _union_seconds(spans), by_name
+
+
+# -- one model on one rank --------------------------------------------------------------------------
+def _worker(rank: int, world: int, layouts: list[tuple[int, int, int]], models: tuple[str, ...],
+            settings: dict[str, Any]) -> dict[tuple[int, int, int], dict[str, Any]]:
+    rss = _Rss()
+    # gc.freeze: the full collections that free each model (cycles) then skip the hundreds of
+    # thousands of objects the imports made (0.3 s a collection otherwise)
+    gc.collect()
+    gc.freeze()
+    # A tiny run of each layout first: imports (DTensor, pipelining), kernel set-up and the
+    # profiler's start happen once per process and would count in the first measured run's
+    # setup and peak memory.
+    for layout in layouts:
+        _run_model(rank, layout, models[0], _tiny(settings), rss)
+    gc.collect()
+    gc.freeze()
+    return {layout: {name: _run_model(rank, layout, name, settings, rss) for name in models} for layout in layouts}
+
+
+def _tiny(settings: dict[str, Any]) -> dict[str, Any]:
+    model = dict(settings["model"], seq_len=8, dim=32, depth=2, heads=2)  # tp=2 and pp=2 still fit
+    return dict(settings, model=model, warmup=1, steps=1, profiled=1)
+
+
+def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[str, Any], rss: _Rss) -> dict[str, Any]:
+    """Build ``name``, lay it out, train warm-up, timed and profiled steps; this rank's numbers."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import kiln.optim
+    from kiln.models import create_model
+    from kiln.parallel._layout import parallelize
+    from kiln.parallel._mesh import Layout
+
+    rss_start = rss.restart()
+    clock = [time.perf_counter()]
+    layout = Layout(*layout_dims)
+    torch.manual_seed(0)  # the same whole model on every rank; parallelize keeps this rank's part
+    model = create_model(name, **s["model"])
+    n_params = sum(p.numel() for p in model.parameters())
+    par = parallelize(model, layout, zero=0, pp_schedule="1f1b", microbatches=s["microbatches"], loss_fn=_loss,
+                      timing=True)
+    del model
+    params = list({id(p): p for p in par.model.parameters()}.values())
+    opt = kiln.optim.AdamW(params, lr=1e-4, weight_decay=0.01, contiguous=par.arena)
+    pipe, where = par.pipeline, layout.coords(rank)
+    gen = torch.Generator().manual_seed(1)  # the same global batch on every rank
+    B, T, V = s["batch"], s["model"]["seq_len"], s["model"]["vocab_size"]
+    local = B // layout.dp
+
+    def step() -> None:
+        ids, targets = torch.randint(V, (B, T), generator=gen), torch.randint(V, (B, T), generator=gen)  # (B, T)
+        lo = where["dp"] * local  # this dp rank's slice; every tp rank of the dp group takes the same
+        ids, targets = ids[lo:lo + local], targets[lo:lo + local]
+        if pipe is not None:
+            pipe.step(ids, targets)  # forward + backward of every micro-batch
+        else:
+            with par.loss_context():  # tp: the cross-entropy runs on vocabulary-sharded logits
+                _loss(par.model(ids), targets).backward()
+        par.reduce_gradients(opt)
+        opt.step()
+
+    clock.append(time.perf_counter())
+    for _ in range(s["warmup"]):
+        step()
+        state = _state_bytes(params, opt)  # after a step, before zero_grad: gradients still held
+        opt.zero_grad()
+    peak_setup = rss.read()["VmHWM"]
+    rss_before_steps = rss.restart()
+    clock.append(time.perf_counter())
+
+    pipe_steps = []  # (wall_s, compute_s) of each timed pipeline step on this rank
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(s["steps"]):
+        step()
+        opt.zero_grad()
+        if pipe is not None:
+            pipe_steps.append((pipe.last_step_timing["wall_s"], pipe.last_step_timing["compute_s"]))
+    dist.barrier()  # the step ends when the slowest rank is done
+    wall = time.perf_counter() - t0
+    peak_steps = rss.read()["VmHWM"]
+    clock.append(time.perf_counter())
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _quiet_stderr():
+        prof.start()
+    try:
+        t1 = time.perf_counter()
+        for _ in range(s["profiled"]):
+            step()
+            opt.zero_grad()
+        profiled_wall = time.perf_counter() - t1
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    comm, comm_by_name = _comm_seconds(prof)
+    dist.barrier()
+    clock.append(time.perf_counter())
+
+    return {
+        "rank": rank, "coords": where, "n_params": n_params,
+        "n_params_local": sum(_local(p).numel() for p in params),
+        **state, "state_bytes": sum(state.values()),
+        "wall_s": wall,
+        "peak_rss_bytes": max(peak_setup, peak_steps) - rss_start,
+        "work_rss_bytes": peak_steps - rss_before_steps,
+        "comm_ms_per_step": comm / s["profiled"] * 1e3,
+        "comm_share": comm / profiled_wall,
+        "comm_ms_by_event": {k: v / s["profiled"] * 1e3 for k, v in sorted(comm_by_name.items())},
+        "pipeline_steps": pipe_steps,
+        # where this rank's run went: build + parallelize, warm-up, timed steps, profiled steps
+        "phase_s": dict(zip(("setup", "warmup", "timed", "profiled"), [b - a for a, b in itertools.pairwise(clock)])),
+    }
+
+
+# -- rows, table, chart -------------------------------------------------------------------------------
+def _row(name: str, layout: tuple[int, int, int], ranks: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, Any]:
+    dp, tp, pp = layout
+    m = s["microbatches"]
+    big = max(ranks, key=lambda r: r["state_bytes"])  # the rank that must fit on a device
+    row = {
+        "model": name, "layout": f"{dp}x{tp}x{pp}", "dp": dp, "tp": tp, "pp": pp, "ranks": dp * tp * pp,
+        "n_params": ranks[0]["n_params"], "n_params_local_max": max(r["n_params_local"] for r in ranks),
+        "global_batch": s["batch"], "steps": s["steps"],
+        "samples_per_s": s["batch"] * s["steps"] / ranks[0]["wall_s"],
+        "step_ms": ranks[0]["wall_s"] / s["steps"] * 1e3,
+        "state_bytes": big["state_bytes"],
+        "state_parts": {k: big[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "work_rss_bytes": max(r["work_rss_bytes"] for r in ranks),
+        "comm_ms_per_step": max(r["comm_ms_per_step"] for r in ranks),
+        "comm_share": max(r["comm_share"] for r in ranks),
+        "microbatches": m if pp > 1 else None,
+        "bubble": None, "bubble_max": None, "bubble_gpipe": None, "bubble_fill_drain": None,
+        "per_rank": ranks,
+    }
+    if pp > 1:
+        bubbles = _bubbles(ranks)
+        for r, b in zip(ranks, bubbles):
+            r["bubble"] = b
+        row["bubble"] = sum(bubbles) / len(bubbles)
+        row["bubble_max"] = max(bubbles)
+        row["bubble_gpipe"] = (pp - 1) / m
+        row["bubble_fill_drain"] = (pp - 1) / (m + pp - 1)
+    return row
+
+
+def _bubbles(ranks: list[dict[str, Any]]) -> list[float]:
+    """Per rank, the mean over timed steps of ``1 - compute_s / pipeline wall``, where the
+    pipeline wall of a step is the longest ``wall_s`` among the ranks of that pipeline (same dp
+    and tp coordinates). Each rank's own ``wall_s`` would not do: the schedules start together
+    (``Pipeline.step`` agrees on the batch shape first) but the last stage returns as soon as
+    its last backward is done, while the first stage still drains, so its own wall leaves out
+    the idle drain."""
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in ranks:
+        groups.setdefault((r["coords"]["dp"], r["coords"]["tp"]), []).append(r)
+    out = []
+    for r in ranks:
+        group = groups[r["coords"]["dp"], r["coords"]["tp"]]
+        walls = [max(g["pipeline_steps"][i][0] for g in group) for i in range(len(r["pipeline_steps"]))]
+        out.append(sum(1 - c / w for (_, c), w in zip(r["pipeline_steps"], walls)) / len(walls))
+    return out
+
+
+def _measure(models: tuple[str, ...], layouts: list[tuple[int, int, int]], settings: dict[str, Any]) -> list[dict[str, Any]]:
+    from kiln.parallel._testing import run_distributed
+
+    # One spawned group per number of ranks, running its layouts one after the other: starting
+    # processes and importing torch, DTensor and pipelining there costs more than a quick run's
+    # steps, and each model run starts from freed memory (see _Rss.restart) in any case.
+    worlds: dict[int, list[tuple[int, int, int]]] = {}
+    for lay in layouts:
+        worlds.setdefault(lay[0] * lay[1] * lay[2], []).append(lay)
+    by_layout: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    for world, lays in worlds.items():
+        ranks = run_distributed(_worker, world, lays, models, settings, threads=1, timeout_s=300)
+        for lay in lays:
+            by_layout[lay] = [r[lay] for r in ranks]
+    rows = []
+    for name in models:
+        for lay in layouts:
+            rows.append(_row(name, lay, [r[name] for r in by_layout[lay]], settings))
+        base = next((r for r in rows if r["model"] == name and r["ranks"] == 1), None)
+        for r in rows:
+            if r["model"] == name:
+                r["state_vs_1x1x1"] = r["state_bytes"] / base["state_bytes"] if base else None
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'model':>5} {'dp x tp x pp':>12} | {'samples/s':>9} | {'state MB':>8} {'vs 1x1x1':>8} "
+            f"{'peak MB':>8} {'work MB':>8} | {'comm ms':>8} {'comm %':>6} | "
+            f"{'bubble':>6} {'(p-1)/m':>7} {'(p-1)/(m+p-1)':>13}")
+    lines = [head, "-" * len(head)]
+    mb = 2.0 ** 20
+    for r in rows:
+        lines.append(
+            f"{r['model']:>5} {r['layout']:>12} | {r['samples_per_s']:>9.1f} | {r['state_bytes'] / mb:>8.1f} "
+            f"{_fmt(r['state_vs_1x1x1'], '.3f'):>8} {r['peak_rss_bytes'] / mb:>8.0f} {r['work_rss_bytes'] / mb:>8.0f} | "
+            f"{r['comm_ms_per_step']:>8.1f} {100 * r['comm_share']:>6.1f} | {_fmt(r['bubble'], '.3f'):>6} "
+            f"{_fmt(r['bubble_gpipe'], '.3f'):>7} {_fmt(r['bubble_fill_drain'], '.3f'):>13}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    from kiln._plotting import pyplot
+
+    plt = pyplot()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    get = {(r["model"], r["layout"]): r for r in rows}
+    width = 0.8 / len(models)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [("samples_per_s", 1.0, "samples/s (same global batch)"),
+              ("state_bytes", 2.0 ** -20, "model state per rank, MB (largest rank)")]
+    for ax, (key, scale, title) in zip(axes, panels):
+        for i, name in enumerate(models):
+            xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(layouts))]
+            ax.bar(xs, [get[name, lay][key] * scale if (name, lay) in get else 0 for lay in layouts], width, label=name)
+        ax.set_xticks(range(len(layouts)), layouts)
+        ax.set_xlabel("dp x tp x pp")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    piped = [lay for lay in layouts if any(get.get((n, lay), {}).get("bubble") is not None for n in models)]
+    for i, name in enumerate(models):
+        xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(piped))]
+        ax.bar(xs, [get[name, lay]["bubble"] for lay in piped], width, label=f"{name} measured")
+    if piped:
+        theory = [get[models[0], lay] for lay in piped]
+        ax.scatter(range(len(piped)), [r["bubble_fill_drain"] for r in theory], color="k", marker="_", s=500,
+                   zorder=3, label="(p-1)/(m+p-1)")
+        ax.scatter(range(len(piped)), [r["bubble_gpipe"] for r in theory], color="r", marker="_", s=500,
+                   zorder=3, label="(p-1)/m")
+    ax.set_xticks(range(len(piped)), piped)
+    ax.set_xlabel("dp x tp x pp")
+    ax.set_title("pipeline bubble: idle share of a step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def settings_for(quick: bool) -> dict[str, Any]:
+    """Model, batch and step counts of a full or a ``--quick`` run."""
+    if quick:
+        return {"model": QUICK_MODEL, "batch": QUICK_BATCH, "microbatches": MICROBATCHES,
+                "steps": QUICK_STEPS, "warmup": QUICK_WARMUP, "profiled": QUICK_PROFILED}
+    return {"model": MODEL, "batch": BATCH, "microbatches": MICROBATCHES,
+            "steps": STEPS, "warmup": WARMUP, "profiled": PROFILED}
+
+
+def run(out_dir: Path, quick: bool = False, *, models: tuple[str, ...] = MODELS,
+        layouts: list[tuple[int, int, int]] | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure every layout for every model; print the table and write ``parallel.json``,
+    ``parallel.txt`` and ``parallel.png`` to ``out_dir``. ``models``, ``layouts`` and
+    ``settings`` (see :func:`settings_for`) narrow the run (tests)."""
+    settings = settings or settings_for(quick)
+    layouts = [tuple(lay) for lay in (layouts or LAYOUTS)]
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    rows = _measure(tuple(models), layouts, settings)
+    machine = {"cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
+               "load_1min_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0}
+    report = {"setup": {**settings, "models": list(models), "layouts": [list(lay) for lay in layouts],
+                        "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW fp32",
+                        "pp_schedule": "1f1b", "quick": quick},
+              "machine": machine, "rows": rows}
+    table = _table(rows)
+    print(table)
+    print(f"m = {settings['microbatches']} micro-batches per dp rank's batch; global batch {settings['batch']} x "
+          f"seq {settings['model']['seq_len']}; {machine['cpus']} cpus, 1-min load {load_before:.1f} before, "
+          f"{machine['load_1min_after']:.1f} after (layouts with more ranks than free cores share them)")
+    (out_dir / "parallel.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "parallel.txt").write_text(table + "\n")
+    _plot(rows, out_dir / "parallel.png")
+    return report
