@@ -63,8 +63,8 @@ def test_two_torchrun_agents_meet_by_rendezvous_and_train_the_same_model_as_one_
     assert not (tmp_path / "unused").exists()  # KILN_RUN_DIR, not train.output_dir, named the run
 
     (single,) = (tmp_path / "one").iterdir()
-    a = load_checkpoint(single / "checkpoints" / "final.pt")["model"]
-    b = load_checkpoint(run_dir / "checkpoints" / "final.pt")["model"]
+    a = load_checkpoint(single / "checkpoints" / "final")["model"]
+    b = load_checkpoint(run_dir / "checkpoints" / "final")["model"]
     assert a.keys() == b.keys()
     assert all(t.dtype == torch.float64 for t in b.values())
     diff = max((a[k] - b[k]).abs().max().item() for k in a)

@@ -140,6 +140,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         )
     total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * steps_per_epoch
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
+    if resumed is not None:
+        _check_schedule_length(cfg, resumed[1]["scheduler"], total_steps)
     stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
     best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best.pt
 
@@ -341,6 +343,19 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _check_schedule_length(cfg: Any, saved: dict[str, Any], total_steps: int) -> None:
+    """OneCycleLR fixes its phases at construction: a resumed run cannot stretch them."""
+    planned = saved.get("total_steps")
+    if cfg.optim.schedule == "onecycle" and planned is not None and planned != max(total_steps, 2):
+        from kiln.config import ConfigError
+
+        raise ConfigError(
+            f"optim.schedule=onecycle was laid out for {planned} steps and cannot be stretched to "
+            f"train.max_steps={total_steps} on resume; resume with train.max_steps={planned}, or train with "
+            "optim.schedule=cosine|linear|constant, which follow the new length"
+        )
 
 
 def _round(x: Any) -> Any:
