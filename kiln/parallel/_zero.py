@@ -443,7 +443,8 @@ class ZeroOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout, keyed per parameter, with the full state: stages 1 and 2
         all-gather each state buffer (a collective: call it on every rank; each gets the
-        whole dict). Sharded checkpoints that skip the gather are future work (DCP)."""
+        whole dict). Sharded checkpoints (kiln.parallel.save_sharded) write each rank's shard
+        without this gather."""
         if self.stage == 0:
             return self.optimizer.state_dict()
         sd = Optimizer.state_dict(self.optimizer)  # param_groups; the inner keeps no per-param state

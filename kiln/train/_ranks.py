@@ -46,17 +46,6 @@ def broadcast_path(path: Path | None) -> Path:
     return Path(box[0])
 
 
-def gather(obj: Any, world: int) -> list[Any]:
-    """``obj`` from every rank, in rank order (a one-element list in one process)."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def mean_over_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return x
@@ -75,9 +64,6 @@ class NullRun:
 
     def write_summary(self, **updates: Any) -> None:
         self.summary.update(updates)
-
-    def save_checkpoint(self, name: str, state: dict[str, Any]) -> None:
-        return None
 
     def open_metrics(self, fields: list[str]) -> None:
         return None
