@@ -61,10 +61,13 @@ restarted group then resumes from its last checkpoint.
 _PLAN_HELP = """\
 Validate a config and show what it would build, without training: the model's parameter
 count, the memory that parameters, gradients and optimizer state take, and how each global
-batch is split into micro-batches.
+batch is split into micro-batches. With --nproc N (or a config whose parallel.dp x tp x pp is
+more than one process): the layout, checked as kiln train would check it, and the memory of
+the fullest rank.
 
-example:
+examples:
   kiln plan configs/digits_vit.py model.depth=8
+  kiln plan configs/gpt2_medium.py --nproc 8 parallel.tp=4 parallel.pp=2 model.vocab_size=50304
 """
 
 
@@ -113,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("config", metavar="CONFIG", help="config file: .py or .yaml")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    plan.add_argument("--nproc", type=int, default=None, metavar="N",
+                      help="plan for N processes: the dp x tp x pp layout is checked as kiln train --nproc N "
+                           "would, and the fullest rank's parameter, gradient and optimizer-state memory shown")
     plan.set_defaults(func=_cmd_plan)
 
     tune = sub.add_parser(
@@ -257,7 +263,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kiln.plan import describe
 
     cfg = load_config(args.config, args.overrides)
-    print(describe(cfg))
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise _UsageError(f"--nproc {args.nproc} must be at least 1")
+        from kiln.train._ranks import check_layout
+
+        check_layout(cfg, args.nproc)  # the same checks as kiln train --nproc N
+    print(describe(cfg, args.nproc))
     return 0
 
 

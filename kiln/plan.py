@@ -18,7 +18,45 @@ def _mb(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:,.1f} MB"
 
 
-def describe(cfg: Any) -> str:
+def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
+    """The largest share of parameters, gradients and optimizer state any rank holds in the
+    config's dp x tp x pp layout (ZeRO dividing over dp), from parameter names alone."""
+    from kiln.parallel._mesh import resolve_layout
+
+    layout = resolve_layout(cfg.parallel, world)
+    par = cfg.parallel
+    stages = [0]
+    params = list(model.named_parameters())
+    if layout.tp > 1 or layout.pp > 1:
+        from kiln.parallel._pp import _num_stages, stage_ranges
+        from kiln.parallel._tp import tp_sharded
+
+        n_stages = _num_stages(layout.pp, par.pp_schedule, 2) if layout.pp > 1 else 1
+        ranges = stage_ranges(len(model.blocks), n_stages, par.pp_stages) if layout.pp > 1 else [range(len(model.blocks))]
+        stages = [0] * layout.pp  # elements per pp rank (stage s runs on pp rank s % pp)
+        for fqn, p in params:
+            stage = 0 if fqn.startswith("embed.") else n_stages - 1 if fqn.startswith("head.") else next(
+                s for s, r in enumerate(ranges) if int(fqn.split(".")[1]) in r)
+            stages[stage % layout.pp] += p.numel() // layout.tp if tp_sharded(fqn) else p.numel()
+    else:
+        stages = [sum(p.numel() for _, p in params)]
+    elems = max(stages)
+    size = params[0][1].element_size() if params else 4
+    state = _STATE_TENSORS[cfg.optim.name] if not (cfg.optim.name == "sgd" and not cfg.optim.momentum) else 0
+    dp, zero = layout.dp, par.zero
+    p_b = elems * size / (dp if zero == 3 else 1)
+    g_b = elems * size / (dp if zero >= 2 else 1)
+    s_b = state * elems * size / (dp if zero >= 1 else 1)
+    return [
+        f"layout      {layout} = {layout.world} process(es), zero={zero}"
+        + (f", {par.pp_schedule} over {par.microbatches or 2 * layout.pp} micro-batches" if layout.pp > 1 else ""),
+        f"per rank    parameters {_mb(p_b)} + gradients {_mb(g_b)} + {cfg.optim.name} state {_mb(s_b)} = "
+        f"{_mb(p_b + g_b + s_b)} on the fullest rank",
+    ]
+
+
+def describe(cfg: Any, world: int | None = None) -> str:
+    """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x pp)."""
     from kiln.train._build import build_model
 
     with torch.device("meta"):
@@ -47,4 +85,9 @@ def describe(cfg: Any) -> str:
         f"data        {dc.name} {dict(dc.args) or ''}".rstrip(),
         "length      " + (f"{tc.max_steps} steps" if tc.max_steps is not None else f"{tc.epochs} epochs"),
     ]
+    pc = cfg.parallel
+    if world is None:
+        world = (pc.dp or 1) * pc.tp * pc.pp
+    if world > 1:
+        lines += _per_rank(model, cfg, world)
     return "\n".join(lines)

@@ -14,7 +14,6 @@ layout or a wrong measurement would change.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import pytest
@@ -25,15 +24,11 @@ from kiln.bench import parallel as bench
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 SETTINGS = {"model": dict(vocab_size=256, seq_len=16, dim=128, depth=4, heads=4), "batch": 8, "microbatches": 4,
             "steps": 1, "warmup": 1, "profiled": 1}
-# what apply_tp shards (kiln/parallel/_tp.py's plan): colwise weights and biases, rowwise weights
-TP_SHARDED = re.compile(r"blocks\.\d+\.(attn\.w[qkv]\.(weight|bias)|attn\.wo\.weight|mlp\.fc1\.(weight|bias)"
-                        r"|mlp\.fc2\.weight)|embed\.tok\.weight|head\.out\.(weight|bias)")
-
-
 def _expected_local_params(name: str, tp: int, pp: int) -> int:
     """The most parameters any rank holds under tp x pp, counted from the whole model."""
     from kiln.models import create_model
     from kiln.parallel._pp import stage_ranges
+    from kiln.parallel._tp import tp_sharded  # what apply_tp splits; checked here against the real shards
 
     model = create_model(name, **SETTINGS["model"])
     ranges = stage_ranges(len(model.blocks), pp)
@@ -46,7 +41,7 @@ def _expected_local_params(name: str, tp: int, pp: int) -> int:
         else:
             block = int(fqn.split(".")[1])
             stage = next(s for s, r in enumerate(ranges) if block in r)
-        per_stage[stage] += p.numel() // tp if TP_SHARDED.fullmatch(fqn) else p.numel()
+        per_stage[stage] += p.numel() // tp if tp_sharded(fqn) else p.numel()
     return max(per_stage)
 
 

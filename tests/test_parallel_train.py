@@ -107,3 +107,32 @@ def test_bad_layout_is_refused_before_any_process_starts(tmp_path, args, words):
         assert word in out.stderr, (word, out.stderr)
     assert "torch/distributed/run.py" not in out.stderr  # refused by kiln, not by a started launcher
     assert not any(tmp_path.iterdir())  # no run directory left behind
+
+
+def _plan_mb(text: str, line: str) -> list[float]:
+    import re
+
+    row = next(r for r in text.splitlines() if r.startswith(line))
+    return [float(x.replace(",", "")) for x in re.findall(r"([\d,]+\.\d) MB", row)]
+
+
+def test_plan_shows_the_fullest_ranks_memory_in_a_layout(capsys):
+    from kiln.cli import main
+
+    big = ["model.dim=256", "model.depth=8"]  # 6.5 M parameters: MB figures with 3 significant digits
+    assert main(["plan", GPT, *big]) == 0
+    whole = _plan_mb(capsys.readouterr().out, "memory")  # params, grads, state, total
+    assert main(["plan", GPT, *big, "--nproc", "4", "parallel.zero=2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=4 x tp=1 x pp=1" in out
+    params, grads, state, _ = _plan_mb(out, "per rank")
+    # ZeRO-2: parameters whole, gradients and optimizer state a quarter each
+    assert params == whole[0] and grads == pytest.approx(whole[1] / 4, abs=0.1)
+    assert state == pytest.approx(whole[2] / 4, abs=0.1)
+    assert main(["plan", GPT, *big, "--nproc", "4", "parallel.tp=2", "parallel.pp=2"]) == 0
+    params = _plan_mb(capsys.readouterr().out, "per rank")[0]
+    # tensor parallel halves the matrices, the pipeline halves the blocks; the replicated norms,
+    # biases and positions keep the fullest rank a little above a quarter
+    assert 0.25 * whole[0] < params < 0.32 * whole[0]
+    assert main(["plan", GPT, "--nproc", "3", "parallel.tp=2"]) == 2
+    assert "3 process(es) cannot be split" in capsys.readouterr().err

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -103,6 +104,18 @@ def check_tp(model_cfg: Any, tp: int, *, sequence_parallel: bool = False) -> Non
         if n % tp:
             why = " (parallel.sequence_parallel splits the sequence)" if name == "model.seq_len" else ""
             raise ValueError(f"parallel.tp={tp} does not divide {name}={n}{why}; choose tp in {{{choices}}}")
+
+
+# The parameters apply_tp splits over the tp ranks (column-parallel weights and biases, row-
+# parallel weights, the vocabulary-parallel embedding and output layer); everything else is
+# replicated. For planning memory without building anything (kiln plan).
+_SHARDED = re.compile(r"blocks\.\d+\.(attn\.w[qkv]\.(weight|bias)|attn\.wo\.weight|mlp\.fc1\.(weight|bias)"
+                      r"|mlp\.fc2\.weight)|embed\.tok\.weight|head\.out\.(weight|bias)")
+
+
+def tp_sharded(fqn: str) -> bool:
+    """Whether :func:`apply_tp` splits the parameter named ``fqn`` over the tp ranks."""
+    return _SHARDED.fullmatch(fqn) is not None
 
 
 def _is_identity(m: Any) -> bool:
