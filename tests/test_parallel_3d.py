@@ -37,6 +37,7 @@ CASES = [
     ("bert", 1, 2, 2, 0, "interleaved-1f1b"),
     ("gpt", 2, 1, 2, 2, "gpipe"),  # ZeRO-2 over dp, on each stage's arena
     ("bert", 2, 2, 1, 3, "1f1b"),  # FSDP2 over dp on top of tensor parallel
+    ("gpt", 2, 1, 2, 3, "1f1b"),  # FSDP2 over dp on each pipeline stage
 ]
 
 

@@ -23,7 +23,6 @@ whatever the layout:
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable
 
 import torch
@@ -123,22 +122,26 @@ def _unique(params: Any) -> list[torch.Tensor]:
     return list({id(p): p for p in params}.values())
 
 
-def _rank_view(stages: list[nn.Module]) -> nn.Module:
-    """One module holding this rank's pipeline stages under the whole model's names: the
-    first stage's top level with ``embed``, every owned block and ``head`` taken from
-    whichever local stage owns them (no copies: the same module objects)."""
-    view = copy.copy(stages[0])
-    view._modules = dict(stages[0]._modules)
-    view._parameters, view._buffers = dict(stages[0]._parameters), dict(stages[0]._buffers)
-    for part in ("embed", "head"):
-        owned = [getattr(s, part) for s in stages if not isinstance(getattr(s, part), nn.Identity)]
-        view._modules[part] = owned[0] if owned else nn.Identity()
-    blocks = []
-    for i in range(len(stages[0].blocks)):
-        owned = [s.blocks[i] for s in stages if not isinstance(s.blocks[i], nn.Identity)]
-        blocks.append(owned[0] if owned else nn.Identity())
-    view._modules["blocks"] = nn.ModuleList(blocks)
-    return view
+class _RankView(nn.Module):
+    """This rank's pipeline stages as one module under the whole model's names: ``embed``,
+    every block and ``head`` taken from whichever local stage owns them (the same module
+    objects, no copies; ``nn.Identity`` for what other ranks own). For the optimizer,
+    ``train()/eval()`` and checkpoints; the forward pass goes through the pipeline."""
+
+    def __init__(self, stages: list[nn.Module]) -> None:
+        super().__init__()
+        self.cfg = getattr(stages[0], "cfg", None)
+
+        def owned(get: Callable[[nn.Module], nn.Module]) -> nn.Module:
+            found = [get(s) for s in stages if not isinstance(get(s), nn.Identity)]
+            return found[0] if found else nn.Identity()
+
+        self.embed = owned(lambda s: s.embed)
+        self.blocks = nn.ModuleList(owned(lambda s, i=i: s.blocks[i]) for i in range(len(stages[0].blocks)))
+        self.head = owned(lambda s: s.head)
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("this rank holds only some pipeline stages: run batches through Parallel.pipeline")
 
 
 def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_parallel: bool = False,
@@ -181,5 +184,5 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
 
         for m in modules:
             apply_fsdp(m, mesh=mesh["dp"])
-    view = model if pipeline is None else _rank_view(pipeline.stages)
+    view = model if pipeline is None else _RankView(pipeline.stages)
     return Parallel(view, layout, zero=zero, mesh=mesh, pipeline=pipeline, loss_parallel=loss_parallel)
