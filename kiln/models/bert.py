@@ -23,40 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models._registry import register_model
-from kiln.models.transformer import Block, Embedding, check_positive, init_weights
+from kiln.models.transformer import Block, Embedding, LMConfig, init_weights
 
 __all__ = ["BERTConfig", "BERT", "MLMHead"]
 
 
 @dataclass
-class BERTConfig:
-    vocab_size: int = 256  # V; 256 = kiln's byte-level text corpus, whose id 255 is [MASK]
-    seq_len: int = 64  # positions the model knows (inputs may be shorter)
-    dim: int = 64  # model width C
-    depth: int = 4  # transformer blocks (len(model.blocks))
-    heads: int = 4  # attention heads; must divide dim
-    mlp_ratio: float = 4.0  # feed-forward width = round(mlp_ratio * dim)
-    dropout: float = 0.0  # on embeddings, attention probabilities and block outputs
-    tie_embeddings: bool = False  # True: the MLM output projection is the token embedding (BERT)
-
-    def __post_init__(self) -> None:
-        check_positive(self, "vocab_size", "seq_len", "dim", "depth", "heads")
-        if self.dim % self.heads:
-            raise ValueError(f"BERTConfig.heads={self.heads} does not divide dim={self.dim}; "
-                             f"choose heads that divide {self.dim}")
-        if not self.mlp_ratio > 0:
-            raise ValueError(f"BERTConfig.mlp_ratio={self.mlp_ratio!r}: must be > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"BERTConfig.dropout={self.dropout!r}: must be in [0, 1)")
-
-    @property
-    def num_classes(self) -> int:
-        """Logits per position (the vocabulary), the name the trainer and tests read."""
-        return self.vocab_size
-
-    def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Random token ids shaped ``(batch_size, seq_len)``."""
-        return torch.randint(self.vocab_size, (batch_size, self.seq_len), generator=generator)
+class BERTConfig(LMConfig):
+    """BERT's options (see :class:`~kiln.models.transformer.LMConfig`)."""
 
 
 class MLMHead(nn.Module):

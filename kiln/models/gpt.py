@@ -19,40 +19,14 @@ import torch
 from torch import nn
 
 from kiln.models._registry import register_model
-from kiln.models.transformer import Block, Embedding, check_positive, init_weights
+from kiln.models.transformer import Block, Embedding, LMConfig, init_weights
 
 __all__ = ["GPTConfig", "GPT", "LMHead"]
 
 
 @dataclass
-class GPTConfig:
-    vocab_size: int = 256  # V; 256 = the byte-level tokens of kiln's bundled text corpus
-    seq_len: int = 64  # positions the model knows (inputs may be shorter)
-    dim: int = 64  # model width C
-    depth: int = 4  # transformer blocks (len(model.blocks))
-    heads: int = 4  # attention heads; must divide dim
-    mlp_ratio: float = 4.0  # feed-forward width = round(mlp_ratio * dim)
-    dropout: float = 0.0  # on embeddings, attention probabilities and block outputs
-    tie_embeddings: bool = False  # True: the output projection is the token embedding (GPT-2)
-
-    def __post_init__(self) -> None:
-        check_positive(self, "vocab_size", "seq_len", "dim", "depth", "heads")
-        if self.dim % self.heads:
-            raise ValueError(f"GPTConfig.heads={self.heads} does not divide dim={self.dim}; "
-                             f"choose heads that divide {self.dim}")
-        if not self.mlp_ratio > 0:
-            raise ValueError(f"GPTConfig.mlp_ratio={self.mlp_ratio!r}: must be > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout!r}: must be in [0, 1)")
-
-    @property
-    def num_classes(self) -> int:
-        """Logits per position (the vocabulary), the name the trainer and tests read."""
-        return self.vocab_size
-
-    def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Random token ids shaped ``(batch_size, seq_len)``."""
-        return torch.randint(self.vocab_size, (batch_size, self.seq_len), generator=generator)
+class GPTConfig(LMConfig):
+    """GPT's options (see :class:`~kiln.models.transformer.LMConfig`)."""
 
 
 class LMHead(nn.Module):

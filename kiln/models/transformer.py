@@ -19,11 +19,13 @@ gives a rank C/tp columns of ``wq``, it computes its H/tp heads without being to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Embedding", "Attention", "MLP", "Block", "init_weights", "check_positive"]
+__all__ = ["LMConfig", "Embedding", "Attention", "MLP", "Block", "init_weights", "check_positive"]
 
 
 def check_positive(cfg: object, *names: str) -> None:
@@ -31,6 +33,40 @@ def check_positive(cfg: object, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: must be a positive integer")
+
+
+@dataclass
+class LMConfig:
+    """The options of a transformer language model (GPT, BERT subclass it)."""
+
+    vocab_size: int = 256  # V; 256 = kiln's byte-level text corpus (id 255 is its [MASK])
+    seq_len: int = 64  # positions the model knows (inputs may be shorter)
+    dim: int = 64  # model width C
+    depth: int = 4  # transformer blocks (len(model.blocks))
+    heads: int = 4  # attention heads; must divide dim
+    mlp_ratio: float = 4.0  # feed-forward width = round(mlp_ratio * dim)
+    dropout: float = 0.0  # on embeddings, attention probabilities and block outputs
+    tie_embeddings: bool = False  # True: the output projection is the token embedding (GPT-2, BERT)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_positive(self, "vocab_size", "seq_len", "dim", "depth", "heads")
+        if self.dim % self.heads:
+            raise ValueError(f"{name}.heads={self.heads} does not divide dim={self.dim}; "
+                             f"choose heads that divide {self.dim}")
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"{name}.mlp_ratio={self.mlp_ratio!r}: must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{name}.dropout={self.dropout!r}: must be in [0, 1)")
+
+    @property
+    def num_classes(self) -> int:
+        """Logits per position (the vocabulary), the name the trainer and tests read."""
+        return self.vocab_size
+
+    def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Random token ids shaped ``(batch_size, seq_len)``."""
+        return torch.randint(self.vocab_size, (batch_size, self.seq_len), generator=generator)
 
 
 class Embedding(nn.Module):
