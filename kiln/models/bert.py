@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models._registry import register_model
-from kiln.models.transformer import Block, Embedding, LMConfig, init_weights
+from kiln.models.transformer import LanguageModel, LMConfig
 
 __all__ = ["BERTConfig", "BERT", "MLMHead"]
 
@@ -48,23 +48,9 @@ class MLMHead(nn.Module):
 
 
 @register_model("bert", BERTConfig)
-class BERT(nn.Module):
+class BERT(LanguageModel):
     """Masked LM: ``head(blocks(embed(ids)))``, ids (B, T) -> logits (B, T, V) at every position
     (the ``mlm`` task scores only the masked ones)."""
 
     def __init__(self, cfg: BERTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.seq_len, cfg.dim, cfg.dropout, norm=True)
-        ffn = round(cfg.mlp_ratio * cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, ffn, cfg.dropout, causal=False) for _ in range(cfg.depth))
-        self.head = MLMHead(cfg.dim, cfg.vocab_size)
-        init_weights(self, cfg.depth)
-        if cfg.tie_embeddings:
-            self.head.out.weight = self.embed.tok.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)  # (B, T, V)
+        super().__init__(cfg, causal=False, embed_norm=True, head=MLMHead(cfg.dim, cfg.vocab_size))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kiln.models._registry import register_model
-from kiln.models.transformer import Block, Embedding, LMConfig, init_weights
+from kiln.models.transformer import LanguageModel, LMConfig
 
 __all__ = ["GPTConfig", "GPT", "LMHead"]
 
@@ -42,7 +42,7 @@ class LMHead(nn.Module):
 
 
 @register_model("gpt", GPTConfig)
-class GPT(nn.Module):
+class GPT(LanguageModel):
     """Causal LM: ``head(blocks(embed(ids)))``, ids (B, T) -> logits (B, T, V).
 
     Position t's logits predict token t + 1 (the ``lm`` task's targets are the inputs shifted
@@ -50,18 +50,4 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.seq_len, cfg.dim, cfg.dropout)
-        ffn = round(cfg.mlp_ratio * cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, ffn, cfg.dropout, causal=True) for _ in range(cfg.depth))
-        self.head = LMHead(cfg.dim, cfg.vocab_size)
-        init_weights(self, cfg.depth)
-        if cfg.tie_embeddings:
-            self.head.out.weight = self.embed.tok.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)  # (B, T, V)
+        super().__init__(cfg, causal=True, embed_norm=False, head=LMHead(cfg.dim, cfg.vocab_size))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LMConfig", "Embedding", "Attention", "MLP", "Block", "init_weights", "check_positive"]
+__all__ = ["LMConfig", "LanguageModel", "Embedding", "Attention", "MLP", "Block", "init_weights", "check_positive"]
 
 
 def check_positive(cfg: object, *names: str) -> None:
@@ -137,6 +137,28 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         x = x + self.dropout(self.attn(self.norm1(x)))
         return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+class LanguageModel(nn.Module):
+    """``head(blocks(embed(ids)))``, ids (B, T) -> logits (B, T, V): the body GPT and BERT share;
+    they choose the attention mask, the embedding norm and the head."""
+
+    def __init__(self, cfg: LMConfig, *, causal: bool, embed_norm: bool, head: nn.Module) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.seq_len, cfg.dim, cfg.dropout, norm=embed_norm)
+        ffn = round(cfg.mlp_ratio * cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, ffn, cfg.dropout, causal) for _ in range(cfg.depth))
+        self.head = head
+        init_weights(self, cfg.depth)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # (B, T, V)
 
 
 @torch.no_grad()
