@@ -50,6 +50,10 @@ examples:
   kiln train configs/digits_vit.py train.checkpoint_every=100
   kiln train --resume runs/digits_vit-20260101-120000      continue after a crash or kill
   kiln train configs/digits_vit.py --nproc 2                 data parallel over 2 processes
+  kiln train configs/digits_vit.py --nproc 4 parallel.zero=3 ZeRO-3 (FSDP2) over 4 processes
+  kiln train configs/gpt_tiny.py --nproc 4 parallel.tp=2 parallel.pp=2 parallel.microbatches=4
+                                                             tensor x pipeline parallel (dp x tp x pp
+                                                             must equal the processes; see parallel.*)
 
 Several machines: start the same command on each with torchrun, for example
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
