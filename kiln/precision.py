@@ -144,7 +144,8 @@ class MasterWeights:
 
         if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
             raise ValueError("bf16-true needs one of kiln's optimizers with contiguous=True (optim.contiguous=true)")
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # holds the fp32 master arenas
+        self.stepper: torch.optim.Optimizer = optimizer  # steps them: the optimizer, or ZeRO around it
         self.pairs: list[tuple[Any, Any]] = []  # (fp32 master arena, bf16 model arena)
         replace: dict[int, torch.nn.Parameter] = {}
         with torch.no_grad():
@@ -168,18 +169,21 @@ class MasterWeights:
         model.to(dtype)  # frozen parameters and buffers; the bf16 parameters stay where they are
 
     def grads_to_master(self) -> None:
+        materialize = getattr(self.stepper, "materialize_grads", None)
+        if materialize is not None:
+            materialize()  # ZeRO-2 frees the full master gradient between steps
         for master, low in self.pairs:
             master.grad.copy_(low.grad)  # one cast-copy per arena
-        self.optimizer.mark_grads_ready()
+        self.stepper.mark_grads_ready()
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.stepper.step()
         with torch.no_grad():
             for master, low in self.pairs:
                 low.param.copy_(master.param)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
+        self.stepper.zero_grad()
         for _, low in self.pairs:
             low.grad.zero_()
 
@@ -211,6 +215,13 @@ class Precision:
         """Called once the optimizer is built: bf16-true turns the model into bf16 here."""
         if self.mode == "bf16-true":
             self.masters = MasterWeights(model, optimizer)
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer was wrapped (ZeRO-1/2 around the fp32 master optimizer): bf16-true then
+        steps and zeroes the masters through the wrapper, which reduce-scatters their gradients,
+        steps this rank's shard and all-gathers the master weights."""
+        if self.masters is not None:
+            self.masters.stepper = optimizer
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

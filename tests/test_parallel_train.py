@@ -93,6 +93,21 @@ def test_fp16_with_fsdp2_trains_like_one_process(tmp_path):
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)  # fp16 round-off
 
 
+def test_bf16_true_with_zero2_trains_like_one_process(tmp_path):
+    # the fp32 master weights of bf16-true are stepped through ZeRO-2: their gradient is
+    # reduce-scattered, each rank steps its shard, the masters are all-gathered and cast to bf16
+    common = ["train.max_steps=8", "train.log_every=8", "train.precision=bf16-true", "data.name=synthetic_images",
+              "train.clip_grad_norm=1.0", "optim.lr=1e-3"]
+    one = _train(tmp_path, "one", MLP, *common)
+    two = _train(tmp_path, "two", MLP, "--nproc", "2", *common, "parallel.zero=2")
+    # bf16 activations: the two reduction orders round differently in the last bf16 bit
+    assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
+    a, b = _final_weights(one), _final_weights(two)
+    assert {v.dtype for v in b.values()} == {torch.bfloat16}  # the model itself is bf16
+    rel = [((a[k].float() - b[k].float()).abs().max() / a[k].float().abs().max()).item() for k in a]
+    assert max(rel) < 2e-2  # within a few bf16 steps (2^-8 = 4e-3 of the value each)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--nproc", "3", "parallel.tp=2"], ["3 process(es)", "parallel.tp=2", "--nproc 2"]),
     (["--nproc", "4", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], ["= 8 ranks", "4 process(es)"]),

@@ -234,9 +234,10 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
     if train["precision"] == "bf16-true" and not cfg["optim"]["contiguous"]:
         raise ConfigError("train.precision=bf16-true keeps its fp32 master weights in kiln's arena; "
                           "set optim.contiguous=true (or use train.precision=bf16-mixed)")
-    if train["precision"] == "bf16-true" and cfg["parallel"]["zero"]:
-        raise ConfigError("train.precision=bf16-true with parallel.zero>0 is not supported yet; "
-                          "use parallel.zero=0 or train.precision=bf16-mixed")
+    if train["precision"] == "bf16-true" and cfg["parallel"]["zero"] == 3:
+        raise ConfigError("train.precision=bf16-true keeps its fp32 master weights in kiln's flat arena, which "
+                          "FSDP2 (parallel.zero=3) replaces by per-parameter shards; use parallel.zero=1 or 2, "
+                          "or train.precision=bf16-mixed")
     if cfg["parallel"]["zero"] in (1, 2) and not cfg["optim"]["contiguous"]:
         raise ConfigError(f"parallel.zero={cfg['parallel']['zero']} shards kiln's arena; set optim.contiguous=true")
     if train["keep_checkpoints"] < 1:

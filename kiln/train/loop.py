@@ -125,6 +125,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
             # contiguous shard of every arena; from here on only the wrapper is used.
             optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group)
+            precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
     plain_model = model
     if tc.compile:
         from kiln.compile import apply_compile
