@@ -106,6 +106,21 @@ def test_resume_can_extend_a_finished_run(tmp_path):
     assert [int(r["step"]) for r in read_metrics(run)][-1] == 30
 
 
+def test_a_run_extended_past_its_end_resumes_from_its_newest_checkpoint_not_the_old_final(tmp_path):
+    from kiln.train._checkpoint import latest
+
+    run = _short_run(tmp_path)  # finished: final/ holds its last step
+    final_step = load_checkpoint(run / "checkpoints" / "final")["step"]
+    shutil.copytree(run / "checkpoints" / "final", tmp_path / "old_final")
+    assert main(["train", "--resume", str(run), f"train.max_steps={final_step + 10}",
+                 "train.checkpoint_every=5"]) == 0
+    # as if the extended run had died after its first periodic save: final/ is still the old one
+    shutil.rmtree(run / "checkpoints" / "final")
+    shutil.copytree(tmp_path / "old_final", run / "checkpoints" / "final")
+    path, state = latest(run)
+    assert path.name == f"step-{final_step + 5:08d}" and state["step"] == final_step + 5
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     run = _short_run(tmp_path, "train.keep_checkpoints=2", "train.max_steps=30")
     names = sorted(p.name for p in (run / "checkpoints").iterdir())

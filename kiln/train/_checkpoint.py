@@ -29,6 +29,8 @@ metadata classes.
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import re
 import shutil
@@ -107,7 +109,9 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     trainer's non-tensor state, JSON) is rank 0's; every rank adds its own RNG states."""
     import torch.distributed as dist
 
-    from kiln.parallel._checkpoint import save_sharded  # DCP: imported at the first save
+    from kiln.parallel._checkpoint import (
+        save_sharded,  # DCP: imported at the first save
+    )
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return save_sharded(path, model, optimizer, extra=state, masters=named_masters(model, precision),
@@ -192,10 +196,22 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
 
 
 def _candidates(run_dir: Path) -> list[Path]:
-    """The run's checkpoints to resume from, oldest first: periodic ones by step, then final."""
+    """The run's checkpoints to resume from, oldest first, by step. ``final`` goes by the step
+    it was saved at: a run resumed past its end saves later periodic checkpoints, which a
+    crash must not lose to the old final one (a final whose step cannot be read counts as the
+    newest, so that resuming reports it as damaged)."""
     found = step_checkpoints(run_dir)
     final = run_dir / "checkpoints" / "final"
-    return [p for _, p in found] + ([final] if final.is_dir() else [])
+    if final.is_dir():
+        try:
+            from kiln.parallel._checkpoint import META_FILE
+
+            step = float(json.loads((final / META_FILE).read_text())["extra"]["step"])
+        except Exception:
+            step = math.inf
+        found.append((step, final))
+    # final after a periodic checkpoint of the same step: it holds the finished run's state
+    return [p for _, p in sorted(found, key=lambda sp: (sp[0], sp[1].name == "final"))]
 
 
 def has_checkpoint(run_dir: Path) -> bool:
