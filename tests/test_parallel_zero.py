@@ -201,8 +201,8 @@ def test_bench_zero_quick(tmp_path):
     report = run_benchmark("zero", tmp_path, quick=True)
     assert report["target_met"]
     assert (tmp_path / "zero.json").exists() and (tmp_path / "zero.png").exists()
-    rows = [r for r in report["rows"] if not r.get("not_yet")]
-    assert {(r["dp"], r["stage"]) for r in rows} == {(d, s) for d in (2, 4) for s in (0, 1, 2)}
+    rows = report["rows"]
+    assert {(r["dp"], r["stage"]) for r in rows} == {(d, s) for d in (2, 4) for s in (0, 1, 2, 3)}
     for r in rows:
         parts = [r["param_bytes"], r["grad_bytes"], r["state_bytes"]]
         for got, per_param in zip(parts, r["paper_parts"]):
