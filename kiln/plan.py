@@ -25,7 +25,6 @@ def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
 
     layout = resolve_layout(cfg.parallel, world)
     par = cfg.parallel
-    stages = [0]
     params = list(model.named_parameters())
     if layout.tp > 1 or layout.pp > 1:
         from kiln.parallel._pp import _num_stages, stage_ranges

@@ -23,7 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "encoder-layer": ("kiln.bench.encoder_layer", "one pre-LN encoder layer: forward/backward/step, torch vs kiln (article setup)"),
     "memory": ("kiln.bench.memory", "activation memory and step time under activation checkpointing x precision"),
     "dataloader": ("kiln.bench.dataloader", "samples/s and time to first batch of CPU-heavy augmentation: workers=0 vs workers='auto'"),
-    "zero": ("kiln.bench.zero", "per-rank bytes of parameters/gradients/optimizer state: data parallel vs ZeRO-1/2 at dp=2, 4"),
+    "zero": ("kiln.bench.zero", "per-rank bytes of parameters/gradients/optimizer state: data parallel vs ZeRO-1/2/3 at dp=2, 4"),
     "ddp": ("kiln.bench.ddp", "data-parallel scaling: samples/s of 2 processes x 1 thread vs 1 x 1 (ViT, small GPT), all-reduce ms/step"),
     "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
 }

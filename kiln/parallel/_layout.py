@@ -38,7 +38,7 @@ class Parallel:
 
     def __init__(self, model: nn.Module, layout: Layout, *, zero: int, mesh: Any = None, pipeline: Any = None,
                  loss_parallel: bool = False) -> None:
-        self.model, self.layout, self.zero, self.mesh, self.pipeline = model, layout, zero, mesh, pipeline
+        self.model, self.layout, self.mesh, self.pipeline = model, layout, mesh, pipeline
         self.loss_parallel = loss_parallel
         self.fsdp = zero == 3 and layout.dp > 1
         self.tp = layout.tp > 1
@@ -115,11 +115,8 @@ class Parallel:
         from kiln.parallel._tp import clip_grad_norm_
 
         # every tp and FSDP2 shard and every pipeline stage's gradient counted once
-        return clip_grad_norm_(_unique(self.model.parameters()), max_norm, extra_group=self.pp_group)
-
-
-def _unique(params: Any) -> list[torch.Tensor]:
-    return list({id(p): p for p in params}.values())
+        # (parameters() lists a tied parameter once)
+        return clip_grad_norm_(self.model.parameters(), max_norm, extra_group=self.pp_group)
 
 
 class _RankView(nn.Module):

@@ -237,7 +237,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             # True fp32 gradients, averaged over the data-parallel ranks (one all-reduce per
             # arena, only now: the micro-steps before accumulated locally without any sync).
             # (FSDP2 reduce-scattered them during backward already.)
-            precision.finish_grads(optimizer, par.reduce_gradients if dp > 1 else None)
+            precision.finish_grads(optimizer, par.reduce_gradients)  # (a no-op for one replica)
             if tc.clip_grad_norm is not None:  # the norm over every shard, stage and rank
                 grad_norm = par.clip(optimizer, tc.clip_grad_norm)
             if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
