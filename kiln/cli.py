@@ -190,6 +190,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from kiln.train._ranks import check_layout
 
         check_layout(cfg, args.nproc)  # dp x tp x pp against --nproc, before any process starts
+        if args.nproc > 1:
+            from kiln.train._build import check_model
+
+            check_model(cfg)  # on the meta device: what the model allows, before any process starts
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         name = cfg.train.run_name or _run_name(Path(args.config or run_dir / "config.yaml"))
         return _launch(command, args.nproc, args.max_restarts, run_dir, cfg.train.output_dir, name)

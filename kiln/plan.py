@@ -56,10 +56,11 @@ def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
 
 def describe(cfg: Any, world: int | None = None) -> str:
     """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x pp)."""
-    from kiln.train._build import build_model
+    from kiln.train._build import build_model, check_model
 
     with torch.device("meta"):
         model = build_model(cfg.model)
+    check_model(cfg, model)  # the errors kiln train would give, before it builds anything
     params = [p for p in model.parameters()]
     n_total = sum(p.numel() for p in params)
     n_train = sum(p.numel() for p in params if p.requires_grad)

@@ -110,6 +110,23 @@ def test_clear_errors():
         apply_ac(_vit(), "selective", every=0)
 
 
+@pytest.mark.parametrize("command", [["train"], ["train", "--nproc", "2"], ["plan"]])
+def test_checkpointing_a_model_without_blocks_is_a_one_line_config_error_before_anything_is_built(
+        tmp_path, capsys, command):
+    from kiln.cli import main
+
+    config = tmp_path / "linear.yaml"
+    config.write_text("model: {_target_: torch.nn.Linear, in_features: 64, out_features: 10}\n"
+                      "train: {max_steps: 2, activation_checkpointing: full}\n")
+    runs = tmp_path / "runs"
+    code = main([command[0], str(config), *command[1:], f"train.output_dir={runs}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "train.activation_checkpointing=full" in err and "Linear" in err
+    assert "activation_checkpointing=none" in err  # the way out
+    assert not runs.exists()
+
+
 # kiln.compile lives beside kiln.memory (both are applied from outside the model); its test is here.
 
 

@@ -120,6 +120,29 @@ def test_accumulation_equals_the_whole_batch_in_float64(tmp_path):
     assert not torch.allclose(init["blocks.0.0.weight"], whole["blocks.0.0.weight"], atol=1e-4)
 
 
+def test_fp64_runs_compute_the_loss_and_its_gradient_in_float64():
+    from kiln.train._tasks import evaluate, loss_from_logits
+
+    torch.manual_seed(0)
+    logits = (torch.randn(32, 10, dtype=torch.float64) * 30).requires_grad_()  # large: fp32 would round
+    targets = torch.randint(0, 10, (32,))
+    loss = loss_from_logits(logits, targets)
+    assert loss.dtype == torch.float64
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref = logits.detach().clone().requires_grad_()
+    nn.functional.cross_entropy(ref, targets).backward()
+    assert torch.equal(loss, nn.functional.cross_entropy(ref.detach(), targets)) and torch.equal(grad, ref.grad)
+    # below float32 the loss is upcast to float32, never computed in half precision
+    assert loss_from_logits(logits.detach().bfloat16(), targets).dtype == torch.float32
+
+    model = nn.Linear(10, 10).double()
+    data = [(torch.randn(16, 10, dtype=torch.float64) * 30, torch.randint(0, 10, (16,))) for _ in range(2)]
+    metrics = evaluate("classification", model, data, torch.device("cpu"), torch.float64)
+    with torch.no_grad():
+        total = sum(nn.functional.cross_entropy(model(x), y, reduction="sum") for x, y in data)
+    assert metrics["loss"] == pytest.approx(total.item() / 32, rel=1e-15)
+
+
 def test_clipping_logs_the_pre_clip_norm_and_bounds_the_update(tmp_path):
     before = set(tmp_path.iterdir())
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=4", "train.log_every=1",

@@ -9,7 +9,7 @@
 """
 
 from kiln.data._datasets import DataSplits, build_dataset, dataset_signature, list_datasets, register_dataset
-from kiln.data._loader import build_loader, infinite, resolve_workers, shard_iterable, worker_seed
+from kiln.data._loader import StepSampler, build_loader, infinite, resolve_workers, shard_iterable, worker_seed
 
 # Imported for its @register_dataset side effect.
 from kiln.data import _text  # noqa: F401  isort: skip
@@ -20,6 +20,7 @@ __all__ = [
     "dataset_signature",
     "list_datasets",
     "register_dataset",
+    "StepSampler",
     "build_loader",
     "infinite",
     "resolve_workers",

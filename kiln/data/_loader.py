@@ -14,6 +14,11 @@ Reproducibility rules that :func:`build_loader` enforces:
 - With ``world_size > 1`` map-style data goes through ``DistributedSampler``: each rank sees
   a disjoint ``1/world_size`` of every epoch. Iterable data shards itself with
   :func:`shard_iterable` (a loader cannot split a stream it cannot index).
+- With ``accumulate=K`` the batch is the *global* batch of one optimizer step, planned by
+  :class:`StepSampler`: the ``world_size`` ranks' K micro-batches of a step hold exactly the
+  samples of that step's batch in one process with ``accumulate=1``, at every step, across
+  epoch ends too (``drop_last`` drops the tail at the level of the global batch, so an epoch is
+  a whole number of steps).
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
-__all__ = ["build_loader", "infinite", "resolve_workers", "worker_seed", "shard_iterable"]
+__all__ = ["StepSampler", "build_loader", "infinite", "resolve_workers", "worker_seed", "shard_iterable"]
 
 _MAX_AUTO_WORKERS = 8  # past ~8 workers per process the main process, not the workers, is the bottleneck
 
@@ -126,13 +131,87 @@ class _Loader(DataLoader):
         self.epoch = epoch
 
     def __iter__(self):
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(self.epoch)
+        for sampler in (self.sampler, self.batch_sampler):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
         if isinstance(self.worker_init_fn, _SeedWorker):
             self.worker_init_fn.epoch = self.epoch
         self.epoch += 1
         return super().__iter__()
+
+
+class StepSampler(Sampler[list[int]]):
+    """This rank's micro-batches, planned as whole optimizer steps of ``batch_size`` samples.
+
+    Epoch ``e`` permutes the ``n`` indices as ``DistributedSampler`` does (``randperm`` seeded
+    with ``seed + e``; ``arange`` without shuffling) and cuts the permutation into global
+    batches of ``batch_size``. Of step ``s``'s batch ``G``, rank ``r`` takes ``G[r::world_size]``
+    and splits it into ``accumulate`` consecutive micro-batches. So the micro-batches of all
+    ranks and micro-steps of a step hold exactly the samples of one process's step with
+    ``accumulate=1``, at every step of every epoch: the layout changes how a step is computed,
+    never which samples it sees, and a run resumed in another layout continues on the same ones.
+
+    ``drop_last=True`` drops the ``n % batch_size`` samples left over at an epoch's end (the
+    same samples whatever the layout); ``drop_last=False`` keeps them as a smaller last step,
+    split as evenly as possible: :meth:`step_samples` says how many samples a step holds over
+    all ranks, so that each micro-batch's loss can be weighted by its share.
+
+    >>> sampler = StepSampler(10, 4, accumulate=2, shuffle=False)
+    >>> list(sampler), sampler.steps_per_epoch
+    ([[0, 1], [2, 3], [4, 5], [6, 7]], 2)
+    >>> [list(StepSampler(10, 4, rank=r, world_size=2, shuffle=False, drop_last=False)) for r in (0, 1)]
+    [[[0, 2], [4, 6], [8]], [[1, 3], [5, 7], [9]]]
+    """
+
+    def __init__(self, n: int, batch_size: int, *, accumulate: int = 1, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = True) -> None:
+        for name, value in (("batch_size", batch_size), ("accumulate", accumulate)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StepSampler: {name}={value!r} must be a positive integer")
+        parts = accumulate * world_size
+        if batch_size % parts:
+            raise ValueError(f"StepSampler: batch_size={batch_size} is not divisible by world_size={world_size} x "
+                             f"accumulate={accumulate}; every rank needs whole micro-batches")
+        full, tail = divmod(n, batch_size)
+        if tail and not drop_last and tail < parts:
+            raise ValueError(
+                f"StepSampler: the last step of each epoch would hold {tail} samples ({n} % {batch_size}), fewer "
+                f"than the {world_size} rank(s) x {accumulate} micro-batch(es) that split it, so a micro-batch "
+                "would be empty; set drop_last=True or choose a batch size that divides the data set better")
+        self.sizes = [batch_size] * full + ([tail] if tail and not drop_last else [])
+        if not self.sizes:
+            raise ValueError(f"StepSampler: {n} samples make no batch of {batch_size} with drop_last=True; "
+                             "lower the batch size or set drop_last=False")
+        self.n, self.accumulate, self.rank, self.world_size = n, accumulate, rank, world_size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.sizes)
+
+    def step_samples(self, step: int) -> int:
+        """Samples in step ``step`` of an epoch (0-based), over every rank and micro-batch."""
+        return self.sizes[step]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.sizes) * self.accumulate  # micro-batches of this rank per epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)  # DistributedSampler's order
+            order = torch.randperm(self.n, generator=g)
+        else:
+            order = torch.arange(self.n)
+        start = 0
+        for size in self.sizes:
+            mine = order[start + self.rank:start + size:self.world_size]
+            start += size
+            for micro in torch.tensor_split(mine, self.accumulate):
+                yield micro.tolist()
 
 
 def build_loader(
@@ -149,6 +228,7 @@ def build_loader(
     rank: int | None = None,
     world_size: int | None = None,
     collate_fn: Callable[[list], Any] | None = None,
+    accumulate: int | None = None,
 ) -> DataLoader:
     """A DataLoader whose order and worker randomness are fixed by ``seed`` (and the epoch).
 
@@ -161,6 +241,12 @@ def build_loader(
     torch.distributed if initialized, else torchrun's RANK/WORLD_SIZE, else one process).
     With ``drop_last=False`` a rank's shard is padded with repeated samples so that every rank
     runs the same number of steps; with ``drop_last=True`` the tail is dropped instead.
+    ``accumulate``: micro-batches per optimizer step. When given, ``batch_size`` is the global
+    batch of one step over all ranks, and the loader yields this rank's micro-batches of
+    ``batch_size / (world_size * accumulate)`` samples as planned by :class:`StepSampler`
+    (``loader.batch_sampler``): an epoch is a whole number of steps, and every step holds the
+    samples of the one-process step whatever the layout. Iterable data cannot be planned: it
+    gets micro-batches of that size from its own stream.
 
     With ``workers="auto"`` resolving to 0 (one CPU), ``persistent_workers`` and
     ``prefetch_factor`` are ignored, so one config runs on every machine; with an explicit
@@ -196,8 +282,19 @@ def build_loader(
     elif persistent_workers is None:
         persistent_workers = True
     rank, world_size = _rank_world(rank, world_size)
+    batch_sampler = None
+    if accumulate is not None and isinstance(dataset, IterableDataset):
+        if not isinstance(accumulate, int) or accumulate < 1 or batch_size % (accumulate * world_size):
+            raise ValueError(f"build_loader: batch_size={batch_size} is not divisible by world_size={world_size} x "
+                             f"accumulate={accumulate}")
+        batch_size //= accumulate * world_size  # a stream: this rank's micro-batches, in stream order
+    elif accumulate is not None:
+        batch_sampler = StepSampler(len(dataset), batch_size, accumulate=accumulate, rank=rank,
+                                    world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
-    if isinstance(dataset, IterableDataset):
+    if batch_sampler is not None:
+        sampler = None
+    elif isinstance(dataset, IterableDataset):
         if shuffle:
             raise ValueError(
                 "build_loader: shuffle=True is not possible for an IterableDataset (it has no indices); "
@@ -220,11 +317,11 @@ def build_loader(
     # reseeds the RNGs): without it torch would draw that seed from, and so advance, the global
     # RNG every epoch. Per rank, so that get_worker_info().seed differs across ranks too.
     generator = torch.Generator().manual_seed(_torch_seed(np.random.SeedSequence([seed % 2**64, rank], spawn_key=(1,))))
+    batching = (dict(batch_sampler=batch_sampler) if batch_sampler is not None
+                else dict(batch_size=batch_size, sampler=sampler, drop_last=drop_last))
     return _Loader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
+        **batching,
         num_workers=num_workers,
         collate_fn=collate_fn,
         pin_memory=pin_memory,

@@ -348,9 +348,9 @@ class Pipeline:
                                  "bubble": None if compute is None else max(0.0, 1.0 - compute / wall)}
         if self.is_last:
             # each micro-batch loss is already divided by M (see _ScaledLoss): their sum is the mean
-            loss = torch.stack([x.detach().float() for x in losses]).sum()
+            loss = torch.stack([x.detach().double() for x in losses]).sum()  # fp64: exact in fp64 runs
         else:
-            loss = torch.empty((), dtype=torch.float32, device=self.device)
+            loss = torch.empty((), dtype=torch.float64, device=self.device)
         if self.pp_size > 1:
             dist.broadcast(loss, group_src=self.pp_size - 1, group=self.pp_group)
         return loss

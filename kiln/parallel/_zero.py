@@ -316,7 +316,7 @@ class ZeroOptimizer(Optimizer):
         p = float(norm_type)
         if math.isinf(p):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
-            total = local.float().clone()
+            total = local.to(torch.promote_types(local.dtype, torch.float32))  # (a copy: reduced in place)
             if self.world > 1 and self.stage > 0:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
             if extra_group is not None:

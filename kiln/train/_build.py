@@ -44,6 +44,33 @@ def build_model(model_cfg: dict[str, Any]) -> nn.Module:
     return instantiate({"_target_": target, **node})
 
 
+def check_model(cfg: Any, model: nn.Module | None = None) -> None:
+    """What the model's structure must allow, as a ConfigError naming the key and the way out.
+
+    ``model``: the built model; without it the model is built on the ``meta`` device (shapes
+    only, no memory), so that ``kiln train --nproc N`` and ``kiln plan`` can check it before any
+    process starts. A model that cannot be built on ``meta`` is checked by the run itself."""
+    mode = cfg.train.activation_checkpointing
+    if mode == "none":
+        return
+    from kiln.config import ConfigError
+    from kiln.memory import apply_ac
+
+    if model is None:
+        try:
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001  (the run builds it for real and checks it then)
+            return
+    try:
+        apply_ac(model, "none")  # finds the blocks, changes nothing
+    except TypeError as exc:
+        raise ConfigError(f"train.activation_checkpointing={mode} cannot be applied: {exc} "
+                          "Or train without it: train.activation_checkpointing=none") from None
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -51,7 +78,7 @@ def build_model(model_cfg: dict[str, Any]) -> nn.Module:
 class Data:
     """The loaders of a run and what the task needs to know about them."""
 
-    train: torch.utils.data.DataLoader  # yields micro-batches of batch_size / accumulate
+    train: torch.utils.data.DataLoader  # yields this rank's micro-batches of whole steps
     val: torch.utils.data.DataLoader
     task: str  # "classification", "lm" or "mlm"
     num_classes: int
@@ -61,26 +88,28 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
                rank: int = 0, world_size: int = 1) -> Data:
     """Train and validation loaders; ``rank``/``world_size``: this process's data-parallel
     rank and the number of them (tensor-parallel and pipeline ranks of one replica share its
-    data), ``accumulate``: micro-batches per step per rank times the data-parallel ranks."""
+    data), ``accumulate``: micro-batches per step per rank. ``data.batch_size`` is the global
+    batch of one step: see :class:`kiln.data.StepSampler`."""
+    from kiln.config import ConfigError
     from kiln.data import build_dataset, build_loader
 
     splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))
-    micro_batch = data_cfg.batch_size // accumulate
     pin = data_cfg.pin_memory
     pin = device.type == "cuda" if pin == "auto" else pin
-    if len(splits.train) < micro_batch and data_cfg.drop_last:
-        from kiln.config import ConfigError
-
-        raise ConfigError(
-            f"data.batch_size={data_cfg.batch_size} is larger than the training set ({len(splits.train)} samples), "
-            "so every batch would be dropped; lower data.batch_size or set data.drop_last=false"
+    try:
+        train = build_loader(
+            splits.train, data_cfg.batch_size, accumulate=accumulate,
+            shuffle=not isinstance(splits.train, torch.utils.data.IterableDataset),
+            seed=seed, drop_last=data_cfg.drop_last, workers=data_cfg.workers, pin_memory=pin,
+            persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor,
+            rank=rank, world_size=world_size,
         )
-    train = build_loader(
-        splits.train, micro_batch, shuffle=not isinstance(splits.train, torch.utils.data.IterableDataset),
-        seed=seed, drop_last=data_cfg.drop_last, workers=data_cfg.workers, pin_memory=pin,
-        persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor,
-        rank=rank, world_size=world_size,
-    )
+    except ValueError as exc:  # the plan of steps does not fit the data set: name the keys
+        raise ConfigError(
+            f"data.batch_size={data_cfg.batch_size} with train.accumulate={accumulate} over {world_size} "
+            f"data-parallel rank(s) does not fit the {len(splits.train)} training samples: "
+            f"{str(exc).split(': ', 1)[-1]}".replace("drop_last", "data.drop_last")
+        ) from None
     # Every rank evaluates the whole validation set: metrics need no reduction across ranks.
     val = build_loader(splits.val, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0,
                        pin_memory=pin, rank=0, world_size=1)

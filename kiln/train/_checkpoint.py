@@ -46,6 +46,8 @@ RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.progress",
     "train.checkpoint_every", "train.keep_checkpoints", "train.output_dir", "train.run_name",
     "train.loggers", "train.early_stopping",
+    # a step is data.batch_size samples however it is split: the data position counts steps
+    "train.accumulate",
     # the layout: checkpoints are keyed by parameter name and reshard on load
     "parallel.", "data.workers", "data.persistent_workers", "data.prefetch_factor", "data.pin_memory",
 )

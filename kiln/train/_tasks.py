@@ -18,11 +18,16 @@ def loss_fn(task: str, model: nn.Module, batch: Any) -> torch.Tensor:
     return loss_from_logits(model(inputs), targets)
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32: bf16/fp16 logits are upcast for the loss, fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy; logits (B, C) for classification, (B, T, V) for lm and mlm.
 
     mlm targets are -100 (cross_entropy's default ignore_index) where nothing was masked."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    return F.cross_entropy(upcast(logits.flatten(0, -2)), targets.flatten())
 
 
 def metric_names(task: str) -> list[str]:
@@ -52,7 +57,7 @@ def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
         logits = forward(inputs)
         if logits is None:
             continue
-        logits = logits.flatten(0, -2).float()
+        logits = upcast(logits.flatten(0, -2))
         targets = targets.flatten()
         loss_sum += F.cross_entropy(logits, targets, reduction="sum").double()
         scored = targets != -100  # mlm scores only the masked positions

@@ -38,12 +38,13 @@ from kiln.config import save_config
 from kiln.parallel import ZeroOptimizer, broadcast_parameters, init_distributed
 from kiln.parallel._layout import parallelize
 from kiln.precision import Precision
-from kiln.train._batches import Batches
+from kiln.train._batches import Batches, step_plan, steps_per_epoch
 from kiln.train._build import (
     build_data,
     build_model,
     build_optimizer,
     build_scheduler,
+    check_model,
     pick_device,
     seed_everything,
 )
@@ -95,9 +96,12 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     # ---- build everything before touching the disk --------------------------------------
     precision = Precision(tc.precision, device)
     # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
-    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate * dp, device=device,
+    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
                       rank=coords["dp"], world_size=dp)
+    per_epoch = steps_per_epoch(data.train, tc.accumulate)
+    _check_steps(cfg, data, layout, per_epoch)
     model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
+    check_model(cfg, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac
@@ -131,15 +135,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         from kiln.compile import apply_compile
 
         model = apply_compile(model)  # compiles lazily: the first step pays for it
-    steps_per_epoch = len(data.train) // tc.accumulate
-    if steps_per_epoch == 0:
-        from kiln.config import ConfigError
-
-        raise ConfigError(
-            f"the training set gives {len(data.train)} micro-batches per epoch, fewer than "
-            f"train.accumulate={tc.accumulate}; lower data.batch_size or train.accumulate"
-        )
-    total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * steps_per_epoch
+    total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * per_epoch
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     if resumed is not None:
         _check_schedule_length(cfg, resumed[1]["scheduler"], total_steps)
@@ -147,8 +143,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best.pt
 
     # ---- state: fresh, or exactly where the checkpoint left off ---------------------------
-    start_step, epoch, position = 0, 0, 0  # resume point: step done, epoch, batches into it
-    window_loss = torch.zeros((), device=device)  # sum of step losses since the last log
+    start_step, epoch, in_epoch = 0, 0, 0  # resume point: step done, epoch, steps into it
+    window_loss = torch.zeros((), dtype=torch.float64, device=device)  # sum of step losses since the last log
     window_steps, train_seconds, samples_seen, elapsed_before = 0, 0.0, 0, 0.0
     if resumed is not None:
         ckpt = resumed[1]
@@ -159,12 +155,14 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         precision.load_state_dict(ckpt["precision"])
         if best is not None and ckpt.get("best"):
             best.load_state_dict(ckpt["best"])
-        start_step, epoch, position = ckpt["step"], ckpt["data"]["epoch"], ckpt["data"]["position"]
+        start_step, epoch, in_epoch = ckpt["step"], ckpt["data"]["epoch"], _steps_into_epoch(ckpt)
         window_loss += ckpt["window"]["loss"]
         window_steps = ckpt["window"]["steps"]
         train_seconds, samples_seen = ckpt["totals"]["train_seconds"], ckpt["totals"]["samples_seen"]
         elapsed_before = ckpt["totals"]["wall_seconds"]
-    batches = Batches(data.train, epoch, position)  # replays the skipped part of the epoch
+    # whole steps of data.batch_size samples; replays the steps of the epoch already done
+    batches = Batches(data.train, tc.accumulate, cfg.data.batch_size, epoch, in_epoch)
+    window_samples = samples_seen
     if resumed is not None:  # after the replay, which may have drawn random numbers
         per_rank = resumed[1]["rng"]
         set_rng_state(per_rank[rank] if len(per_rank) == world else per_rank[0])
@@ -205,7 +203,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             "precision": {"mode": precision.mode,
                           "scaler": precision.scaler.state_dict() if precision.scaler else None},
             "best": best.state_dict() if best else None,
-            "data": {"epoch": batches.epoch, "position": batches.position},
+            "data": {"epoch": batches.epoch, "step": batches.step},  # steps: the same in any layout
             "window": {"loss": window_loss.item(), "steps": window_steps},
             "totals": {"train_seconds": train_seconds, "samples_seen": samples_seen,
                        "wall_seconds": elapsed_before + time.perf_counter() - wall_start},
@@ -219,8 +217,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         model.train()
         for step in range(start_step + 1, total_steps + 1):
             step_start = time.perf_counter()
-            for _ in range(tc.accumulate):
-                _, (inputs, targets) = next(batches)
+            this = next(batches)
+            for inputs, targets in this.micro:
                 inputs = _to_device(inputs, device, precision.input_dtype)
                 targets = targets.to(device, non_blocking=True)
                 if par.pipeline is not None:
@@ -229,9 +227,11 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                         loss = par.pipeline.step(inputs, targets)
                 else:
                     with precision.autocast(), par.loss_context():
-                        # Each micro-batch holds batch_size / K samples, so dividing its mean loss
-                        # by K makes the summed gradient that of the mean over the whole batch.
-                        loss = loss_fn(data.task, model, (inputs, targets)) / tc.accumulate
+                        # Weighted by its share of the step's samples, a micro-batch's mean loss
+                        # sums (and, averaged over dp ranks, averages) to the mean over the whole
+                        # step: divided by exactly K when all hold batch_size / (K x dp) samples.
+                        parts = this.samples / (len(targets) * dp)  # K when every micro-batch is full
+                        loss = loss_fn(data.task, model, (inputs, targets)) / parts
                         precision.backward(loss)  # fp16: backward of the scaled loss
                 window_loss += par.value(loss)
             # True fp32 gradients, averaged over the data-parallel ranks (one all-reduce per
@@ -246,7 +246,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             if tc.compile and step == start_step + 1:
                 compile_seconds = time.perf_counter() - step_start  # reported apart from step time
             window_steps += 1
-            samples_seen += cfg.data.batch_size
+            samples_seen += this.samples
 
             row: dict[str, Any] = {}
             if step % tc.log_every == 0 or step == total_steps:
@@ -261,10 +261,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                     grad_norm=None if grad_norm is None else float(grad_norm),
                     loss_scale=precision.scaler.scale if precision.scaler else None,
                     skipped_steps=precision.scaler.skipped_steps if precision.scaler else None,
-                    samples_per_second=window_steps * cfg.data.batch_size / max(elapsed, 1e-9),
+                    samples_per_second=(samples_seen - window_samples) / max(elapsed, 1e-9),
                 )
                 window_loss.zero_()
-                window_steps = 0
+                window_steps, window_samples = 0, samples_seen
             if (tc.eval_every and step % tc.eval_every == 0) or step == total_steps:
                 with precision.autocast():
                     last_eval = evaluate(data.task, model, data.val, device, precision.input_dtype,
@@ -278,7 +278,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                     if stop and stopper is not None:
                         stopped = {"step": step, "reason": stopper.reason}
             if row:
-                row.update(step=step, epoch=round(batches.epoch + batches.position / len(data.train), 4),
+                row.update(step=step, epoch=round(batches.epochs_done, 4),
                            peak_memory_mb=peak_memory_mb(device),
                            wall_seconds=elapsed_before + time.perf_counter() - wall_start)
                 run.log_metrics(row)
@@ -301,7 +301,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         checkpoint("final", step)
         summary = dict(
             status="completed", steps=step,
-            epochs=round(step * tc.accumulate / len(data.train), 4),
+            epochs=round(batches.epochs_done, 4),
             final_train_loss=last_train_loss, eval=last_eval,
             samples_per_second=samples_seen / max(train_seconds, 1e-9),
             peak_memory_mb=peak_memory_mb(device),
@@ -344,6 +344,36 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _check_steps(cfg: Any, data: Any, layout: Any, per_epoch: int) -> None:
+    """What the plan of steps must give before anything is built on it."""
+    from kiln.config import ConfigError
+
+    tc = cfg.train
+    if per_epoch == 0:
+        if tc.max_steps is None:
+            raise ConfigError(
+                f"train.epochs={tc.epochs} needs epochs of at least one step, but the training data gives fewer "
+                f"than train.accumulate={tc.accumulate} micro-batches per epoch (or has no length); lower "
+                "data.batch_size or train.accumulate, or set train.max_steps")
+        return
+    plan = step_plan(data.train)
+    if layout.pp > 1 and plan is not None and plan.sizes[-1] != cfg.data.batch_size:
+        # a pipeline schedule averages its micro-batches' losses with equal weights
+        raise ConfigError(
+            f"data.drop_last=false leaves a last step of {plan.sizes[-1]} samples in each epoch (not "
+            f"data.batch_size={cfg.data.batch_size}), which a pipeline (parallel.pp={layout.pp}) cannot split "
+            "into equal micro-batches; set data.drop_last=true")
+
+
+def _steps_into_epoch(ckpt: dict[str, Any]) -> int:
+    data = ckpt["data"]
+    if "step" in data:
+        return data["step"]
+    # written before kiln 0.1.1, which counted micro-batches of the saved run's layout
+    saved = ckpt.get("config", {}).get("train", {}).get("accumulate", 1)
+    return data.get("position", 0) // saved
 
 
 def _check_schedule_length(cfg: Any, saved: dict[str, Any], total_steps: int) -> None:
