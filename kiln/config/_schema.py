@@ -22,7 +22,7 @@ class DataConfig:
     pin_memory: Union[bool, Literal["auto"]] = "auto"  # auto: on when training on CUDA
     persistent_workers: Optional[bool] = None  # keep workers between epochs; None: on with workers
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead; None: torch's 2
-    drop_last: bool = True  # drop the last incomplete training batch of each epoch
+    drop_last: bool = True  # drop the samples an epoch leaves after its whole global batches; false: a short last step
 
 
 @dataclass
