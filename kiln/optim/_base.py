@@ -20,20 +20,21 @@ that the arena is still authoritative:
   ``model.zero_grad()`` set ``p.grad = None``, is copied in and the view restored;
 - a parameter whose storage changed with the same dtype/device/shape is copied back in;
 - a parameter whose dtype or device changed (``model.half()``, ``model.to("cuda")`` after
-  construction) raises an error that names the fix (``optimizer.relink()``);
-- a step that finds no new gradient at all since the previous step raises: this is what
-  happens when ``load_state_dict(assign=True)`` replaced the model's parameters, which
-  would otherwise train nothing, silently.
+  construction) raises an error that names the fix (``optimizer.relink()``).
 
-That last check is a deliberate deviation from torch.optim. "No new gradient" means: no
+A step that finds no new gradient since the previous step does what torch.optim does:
+``step(); step()`` applies the update again with the gradients the parameters still hold,
+and ``zero_grad(); step()`` updates nothing (torch sees ``p.grad is None`` and skips the
+parameter; kiln's per-parameter flags say the same). It also warns, once per optimizer,
+because that is the only trace left when the model's parameters were replaced behind the
+optimizer's back (``model.load_state_dict(..., assign=True)``, ``to_empty()``, re-created
+modules): the optimizer then holds the old Parameter objects and trains nothing, with torch
+as with kiln; the warning names the fix (build the optimizer after loading, or load without
+``assign=True``, which copies into the arena). "No new gradient" means: no
 post-accumulate-grad hook fired, no gradient was assigned outside the arena, and the flat
-gradient's version counter did not move since the previous step (or ``zero_grad``). After
-``assign=True`` the module holds new Parameter objects that the optimizer cannot see, so
-that signal is the only one left, and it cannot be told apart from ``step(); step()`` with
-no backward in between (torch re-applies the old gradients) or ``zero_grad(); step()``
-(torch does nothing). Both raise here; a training loop never does either. A
+gradient's version counter did not move since the previous step (or ``zero_grad``). A
 ``GradScaler`` step skipped for an inf/NaN gradient never calls ``step()``, and the next
-backward fires the hooks, so it is unaffected (tested).
+backward fires the hooks, so it does not warn (tested).
 
 ``step()`` itself skips torch's ``profile_hook_step`` wrapper (a ``record_function`` and two
 hook chains on every call) unless a profiler is running or a step hook is registered, in
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -138,6 +140,7 @@ class ArenaOptimizer(Optimizer):
         self._built = False
         self._hooks: list[Any] = []
         self._flags = bytearray(1)
+        self._warned_stale = False  # the "no new gradient" warning is shown once
         super().__init__(params, defaults)
         if contiguous:
             self._build()
@@ -267,16 +270,18 @@ class ArenaOptimizer(Optimizer):
                 self._relink_params(pack)
             if not all(map(operator.is_, map(_grad_of, params), pack.gexpect)):
                 foreign |= self._absorb_grads(pack)
-        if check_fresh and not foreign and not self._flags[-1]:
+        if check_fresh and not foreign and not self._flags[-1] and not self._warned_stale:
             if all(pk.arena.grad._version == pk.grad_version for pk in self._packs) and any(
                     p.requires_grad for pk in self._packs for p in pk.params):
-                raise RuntimeError(
+                self._warned_stale = True
+                warnings.warn(
                     "kiln.optim: step() found no new gradient for any of its parameters since the "
-                    "previous step. Either backward() was not called, or the model's parameters were "
-                    "replaced after the optimizer was built (model.load_state_dict(..., assign=True), "
-                    "to_empty(), re-created modules), so the optimizer holds the old ones and would "
-                    "train nothing. Build the optimizer after loading, or load without assign=True "
-                    "(it copies into the arena).")
+                    "previous step; like torch.optim it applies the update again to the gradients the "
+                    "parameters hold (none after zero_grad()). If backward() did run, the model's "
+                    "parameters were replaced after the optimizer was built (model.load_state_dict(..., "
+                    "assign=True), to_empty(), re-created modules), so the optimizer holds the old ones "
+                    "and trains nothing: build the optimizer after loading, or load without assign=True "
+                    "(it copies into the arena). Shown once per optimizer.", stacklevel=5)
 
     def _relink_params(self, pack: _Pack) -> None:
         arena = pack.arena
