@@ -36,6 +36,9 @@ gradient's version counter did not move since the previous step (or ``zero_grad`
 ``GradScaler`` step skipped for an inf/NaN gradient never calls ``step()``, and the next
 backward fires the hooks, so it does not warn (tested).
 
+Complex parameters are updated as pairs of reals (``torch.view_as_real``), as torch.optim
+does: a complex arena is handed to the update rules as a real buffer twice as long.
+
 ``step()`` itself skips torch's ``profile_hook_step`` wrapper (a ``record_function`` and two
 hook chains on every call) unless a profiler is running or a step hook is registered, in
 which case it takes exactly torch's path.
@@ -50,7 +53,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.optim.optimizer import (
+    _device_dtype_check_for_fused,
+    _get_scalar_dtype,
+    _global_optimizer_post_hooks,
+    _global_optimizer_pre_hooks,
+)
 
 from kiln.optim._arena import Arena
 from kiln.optim._rules import TensorList
@@ -67,6 +75,11 @@ def _is_dtensor(t: Any) -> bool:
     except ImportError:  # a torch built without distributed
         return False
     return isinstance(t, DTensor)
+
+
+def _torch_impl(group: dict[str, Any]) -> bool:
+    """The group asks for what only torch's own implementation does (see ArenaOptimizer)."""
+    return bool(group.get("capturable") or group.get("differentiable"))
 
 
 def _kernel(fn: Callable, compiled: bool | None) -> Callable:
@@ -127,22 +140,33 @@ class _Pack:
 
 
 class ArenaOptimizer(Optimizer):
-    """Base class: packs parameters into arenas and keeps torch.optim's public behaviour."""
+    """Base class: packs parameters into arenas and keeps torch.optim's public behaviour.
+
+    Groups that ask for ``capturable=True`` (CUDA graphs) or ``differentiable=True`` (autograd
+    through the step) are stepped by torch's own functional implementation
+    (:meth:`_update_torch`) over the parameters as they are, and the optimizer then keeps no
+    arena (``contiguous`` is set to False): an arena's host-side step counts and re-pointed
+    storage would defeat both flags.
+    """
 
     _has_step_state = True  # torch keeps state[p]['step'] for this optimizer
     _per_tensor_norms = False  # the update needs per-tensor norms (LAMB, LARS): see _Pack.norm_reduce
+    _supports_complex = True  # complex parameters stepped as pairs of reals, as torch.optim does
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, contiguous: bool = True,
                  shard_multiple: int | None = None) -> None:
         self.contiguous = contiguous
         self.shard_multiple = shard_multiple
         self._packs: list[_Pack] = []
+        self._complex_packs: list[_Pack] = []
         self._built = False
         self._hooks: list[Any] = []
         self._flags = bytearray(1)
         self._warned_stale = False  # the "no new gradient" warning is shown once
         super().__init__(params, defaults)
-        if contiguous:
+        if contiguous and any(map(_torch_impl, self.param_groups)):
+            self.contiguous = False  # torch's own implementation, no arena (see the class docstring)
+        if self.contiguous:
             self._build()
         self._built = True
 
@@ -195,6 +219,7 @@ class ArenaOptimizer(Optimizer):
                 pack.grad_version = arena.grad._version
                 self._packs.append(pack)
                 slot += len(ps)
+        self._complex_packs = [pk for pk in self._packs if pk.arena.dtype.is_complex]
 
     def _link_grad(self, pack: _Pack, i: int) -> None:
         p = pack.params[i]
@@ -228,7 +253,22 @@ class ArenaOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if not self._supports_complex and any(torch.is_complex(p) for p in group["params"]):
+            self.param_groups.pop()
+            name = type(self).__name__
+            raise ValueError(
+                f"kiln.optim.{name} does not support complex parameters (torch.optim has no {name} "
+                f"to follow, and the paper's per-tensor trust ratio is defined for real tensors). "
+                f"Optimize the complex parameters with kiln.optim.AdamW or SGD (a second optimizer), "
+                f"or keep them in the model as real tensors of shape (..., 2) (torch.view_as_real).")
         if self._built and self.contiguous:
+            if _torch_impl(group):
+                self.param_groups.pop()
+                raise ValueError(
+                    "kiln.optim: a parameter group with capturable=True or differentiable=True runs "
+                    "torch's own per-parameter implementation, which an arena cannot serve: build the "
+                    "optimizer with contiguous=False (or with the flag set for all groups).")
             self.relink()
 
     @property
@@ -356,7 +396,8 @@ class ArenaOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        # as torch's _use_grad_for_differentiable: autograd records the step only if asked to
+        with torch.set_grad_enabled(bool(self.defaults.get("differentiable"))):
             if not self.contiguous:
                 self._step_lists()
             else:
@@ -366,6 +407,9 @@ class ArenaOptimizer(Optimizer):
     def _step_arena(self) -> None:
         self._sync(check_fresh=True)
         flags = self._flags
+        for pack in self._complex_packs:
+            if self.param_groups[pack.group].get("fused") and any(flags[pack.s0:pack.s1]):
+                _device_dtype_check_for_fused(pack.params[0])  # torch refuses fused=True for complex
         for pack in self._packs:
             recv = flags[pack.s0:pack.s1]
             if pack.uniform and recv == pack.all_ones:
@@ -408,14 +452,16 @@ class ArenaOptimizer(Optimizer):
     def _init_entries(self, pack: _Pack, group: dict[str, Any], indices: Iterable[int]) -> None:
         """Expose per-parameter state the way torch.optim keys it (views into the arena)."""
         names = self._state_names(group)
+        expose = bool(names) or self._has_step_state  # SGD without momentum: no entry, as torch
         for i in indices:
             if pack.init[i]:
                 continue
-            st = self.state[pack.params[i]]
-            if self._has_step_state:
-                st["step"] = pack.step_vec[i]
-            for name in names:
-                st[name] = pack.sviews[name][i]
+            if expose:
+                st = self.state[pack.params[i]]
+                if self._has_step_state:
+                    st["step"] = pack.step_vec[i]
+                for name in names:
+                    st[name] = pack.sviews[name][i]
             pack.init[i] = True
             pack.n_init += 1
 
@@ -463,15 +509,22 @@ class ArenaOptimizer(Optimizer):
     # -- multi-tensor mode (contiguous=False) ---------------------------------------------
     def _step_lists(self) -> None:
         for group in self.param_groups:
+            fused, by_torch = group.get("fused"), _torch_impl(group)
+            with_grad: list[torch.Tensor] = []
             buckets: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                st = self.state[p]
-                if not st:
-                    self._init_list_state(p, st, group)
+                if fused and torch.is_complex(p):
+                    _device_dtype_check_for_fused(p)  # torch refuses fused=True for complex
+                st = self.state.get(p) or self._init_list_state(p, group)
+                if by_torch:
+                    with_grad.append(p)
+                    continue
                 dkey = (p.device_mesh, tuple(p.placements)) if _is_dtensor(p) else None
                 buckets.setdefault((p.device, p.dtype, dkey, self._list_key(p, st)), []).append(p)
+            if with_grad:
+                self._update_torch(group, with_grad)
             for (_, _, dkey, key), ps in buckets.items():
                 if dkey is None:
                     self._update_list(group, ps, key)
@@ -517,7 +570,7 @@ class ArenaOptimizer(Optimizer):
             lp = p._local_tensor.detach()  # a view of the shard: updates land in the parameter
             lp.grad = local(p.grad)
             locs.append(lp)
-            local_state[lp] = {k: local(v) for k, v in saved[p].items()}
+            local_state[lp] = {k: local(v) for k, v in saved.get(p, {}).items()}
         self.state = local_state  # type: ignore[assignment]
         self._list_norm_reduce = reduce if sharded else None
         try:
@@ -526,6 +579,9 @@ class ArenaOptimizer(Optimizer):
             self.state = saved
             self._list_norm_reduce = None
         for p, lp in zip(ps, locs):
+            lp.grad = None
+            if not local_state[lp]:  # no state (SGD without momentum): no entry, as torch
+                continue
             st = saved[p]
             for k, v in local_state[lp].items():
                 old = st.get(k)
@@ -534,12 +590,22 @@ class ArenaOptimizer(Optimizer):
                 if torch.is_tensor(v) and k != "step" and v.shape == lp.shape:
                     v = DTensor.from_local(v, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
                 st[k] = v
-            lp.grad = None
 
-    def _init_list_state(self, p: torch.Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
-        st["step"] = torch.tensor(0.0)
+    def _init_list_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """p's state before its first step, stored in ``self.state`` as torch.optim lays it
+        out: 'step' on the CPU unless capturable or fused (then beside p, float32 if fused)."""
+        on_p = group.get("capturable") or group.get("fused")
+        st = self.state[p]
+        st["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
+                                 device=p.device if on_p else "cpu")
         for name in self._state_names(group):
             st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
+
+    def _update_torch(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
+        """torch.optim's own functional update of ps (all with gradients), for the groups that
+        ask for capturable=True or differentiable=True."""
+        raise NotImplementedError
 
     def _list_key(self, p: torch.Tensor, st: dict[str, Any]) -> Any:
         """What the tensors of one multi-tensor update must share besides device and dtype:
@@ -550,8 +616,16 @@ class ArenaOptimizer(Optimizer):
         torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
 
     def _lists(self, ps: list[torch.Tensor], *names: str) -> list[TensorList]:
-        return [TensorList(ps), TensorList([p.grad for p in ps])] + [
-            TensorList([self.state[p][n] for p in ps]) for n in names]
+        """(params, grads, *state) as TensorLists; real views of complex tensors, as torch.optim."""
+        lists = [ps, [p.grad for p in ps]] + [[self.state[p][n] for p in ps] for n in names]
+        if ps and torch.is_complex(ps[0]):  # a bucket shares one dtype
+            lists = [_as_real(ts) for ts in lists]
+        return [TensorList(ts) for ts in lists]
+
+
+def _as_real(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Real views of complex tensors (each complex number as two reals), others unchanged."""
+    return [torch.view_as_real(t) if torch.is_complex(t) else t for t in ts]
 
 
 def step_runs(mask: Any, steps: list[int]) -> list[tuple[int, int, int]]:
@@ -572,12 +646,16 @@ def step_runs(mask: Any, steps: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _flat_args(pack: _Pack, i: int, j: int, *names: str) -> list[torch.Tensor]:
-    """(param, grad, *state) flat slices covering segments i..j-1."""
+    """(param, grad, *state) flat slices covering segments i..j-1 (real views of complex ones)."""
     a = pack.arena
     if i == 0 and j == len(pack.params):
-        return [a.param, a.grad] + [pack.state[n] for n in names]
-    lo, hi = a.segment_range(i, j)
-    return [a.param[lo:hi], a.grad[lo:hi]] + [pack.state[n][lo:hi] for n in names]
+        ts = [a.param, a.grad] + [pack.state[n] for n in names]
+    else:
+        lo, hi = a.segment_range(i, j)
+        ts = [a.param[lo:hi], a.grad[lo:hi]] + [pack.state[n][lo:hi] for n in names]
+    if a.dtype.is_complex:  # as torch.optim: each complex number is two reals, (n,) -> (2n,)
+        ts = [torch.view_as_real(t).view(-1) for t in ts]
+    return ts
 
 
 def clip_grad_norm_(optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,

@@ -17,6 +17,13 @@ and AdamW call the same fused kernels on the lists (one launch per step, per-ten
 counts), and LAMB and LARS run their rules on :class:`~kiln.optim._rules.TensorList`, i.e.
 as in-place ``torch._foreach_*_`` kernels with ``torch._foreach_norm`` for the norms.
 
+Complex parameters (SGD, Adam, AdamW) go through the same kernels as pairs of reals
+(``torch.view_as_real``), as torch.optim treats them; LAMB and LARS refuse them. A group
+with ``capturable=True`` or ``differentiable=True`` runs torch's own functional update
+(``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``) over the parameters as they are, so
+that those flags mean, and fail, exactly what they do in torch; such an optimizer keeps no
+arena.
+
 Example::
 
     >>> import torch, kiln.optim
@@ -33,21 +40,27 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.optimizer import _to_scalar
+from torch.optim.sgd import sgd as _torch_sgd
 
 from kiln.optim import _rules
-from kiln.optim._base import ArenaOptimizer, _flat_args, _kernel, _Pack
+from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _Pack
 
 __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 
 
-def _check_torch_flags(differentiable: bool) -> None:
-    if differentiable:
-        raise NotImplementedError("kiln.optim does not support differentiable=True; use torch.optim")
+def _torch_checks(torch_cls: type, **hyper: Any) -> None:
+    """torch's own constructor checks on these arguments, so that kiln refuses exactly what
+    torch refuses, with the same error and message (a throwaway optimizer over one 0-d tensor)."""
+    torch_cls([torch.zeros((), requires_grad=True)], **hyper)
 
 
 def _fused_ok(device: torch.device, dtype: torch.dtype, opt: ArenaOptimizer) -> bool:
-    """torch has fused SGD/Adam(W) kernels for this device and dtype (and no test forces the rule)."""
-    return device.type in ("cpu", "cuda") and dtype.is_floating_point and not getattr(opt, "_force_rule", False)
+    """torch has fused SGD/Adam(W) kernels for this device and dtype (complex: on the real view),
+    and no test forces the rule."""
+    return (device.type in ("cpu", "cuda") and (dtype.is_floating_point or dtype.is_complex)
+            and not getattr(opt, "_force_rule", False))
 
 
 def _hp(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -61,21 +74,25 @@ class SGD(ArenaOptimizer):
 
     Internally a step count tells the first step (when the momentum buffer is set to the
     gradient, as torch does); it is not part of the state dict, which holds only
-    ``momentum_buffer`` like torch's.
+    ``momentum_buffer`` like torch's (and nothing at all without momentum).
+
+    Every argument of torch.optim.SGD is taken with torch's default and checked by torch's
+    own constructor. ``foreach`` and ``fused`` choose among torch's kernels, which compute the
+    same update: kiln always runs its fused one (and refuses ``fused=True`` for complex
+    parameters at the step, as torch does). ``differentiable=True`` runs torch's own
+    implementation over the parameters as they are (no arena).
     """
 
     _has_step_state = False
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float | torch.Tensor = 0.0, nesterov: bool = False, *,
                  maximize: bool = False, foreach: bool | None = None, differentiable: bool = False,
                  fused: bool | None = None, contiguous: bool = True, shard_multiple: int | None = None):
-        _check_torch_flags(differentiable)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
+        _torch_checks(torch.optim.SGD, **defaults)
         super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
 
     def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -96,8 +113,8 @@ class SGD(ArenaOptimizer):
             bufs[0].copy_(new_buf)
 
     # torch's SGD has no 'step' in its state: a parameter has stepped iff it has a buffer
-    def _init_list_state(self, p, st, group):  # noqa: D102
-        pass
+    def _init_list_state(self, p, group):  # noqa: D102
+        return {}  # not stored: without momentum torch keeps no entry at all
 
     def _list_key(self, p: torch.Tensor, st: dict[str, Any]) -> int:
         return 1 if st.get("momentum_buffer") is not None else 0
@@ -113,22 +130,33 @@ class SGD(ArenaOptimizer):
                 bufs = [torch.empty_like(g) for g in gs]
             else:
                 bufs = [self.state[p]["momentum_buffer"] for p in ps]
-            _fused_sgd(ps, gs, bufs, group, first=first)
+            _fused_sgd(_as_real(ps), _as_real(gs), _as_real(bufs), group, first=first)
         else:
             P, G = self._lists(ps)
             buf = None
             if momentum and not first:
-                buf = _rules.TensorList([self.state[p]["momentum_buffer"] for p in ps])
+                buf = _rules.TensorList(_as_real([self.state[p]["momentum_buffer"] for p in ps]))
             new_p, new_buf = _rules.sgd(P, G, buf, lr=group["lr"], momentum=momentum,
                                         dampening=group["dampening"], weight_decay=group["weight_decay"],
                                         nesterov=group["nesterov"], first_step=first, maximize=group["maximize"])
             new_p.copy_into(P)
             if momentum and not first:
                 new_buf.copy_into(buf)
-            bufs = [b.clone() if b is p.grad else b for p, b in zip(ps, new_buf.ts)] if momentum else []
+            bufs = [b.clone() if b is g else b for g, b in zip(G.ts, new_buf.ts)] if momentum else []
+            if torch.is_complex(ps[0]):  # the rule ran on real views; state stays complex, as torch's
+                bufs = [torch.view_as_complex(b) for b in bufs]
         if momentum and first:
             for p, b in zip(ps, bufs):
                 self.state[p]["momentum_buffer"] = b
+
+    def _update_torch(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
+        momentum = group["momentum"]
+        bufs = [self.state[p].get("momentum_buffer") for p in ps] if momentum else []
+        _torch_sgd(ps, [p.grad for p in ps], bufs, foreach=group["foreach"], fused=group["fused"],
+                   weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+                   dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+        for p, b in zip(ps, bufs):
+            self.state[p]["momentum_buffer"] = b
 
 
 def _fused_sgd(ps, gs, bufs, group, *, first: bool) -> None:
@@ -138,21 +166,29 @@ def _fused_sgd(ps, gs, bufs, group, *, first: bool) -> None:
 
 
 class Adam(ArenaOptimizer):
-    """torch.optim.Adam over the arena (``decoupled_weight_decay=True`` gives AdamW)."""
+    """torch.optim.Adam over the arena (``decoupled_weight_decay=True`` gives AdamW).
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    Every argument of torch.optim.Adam is taken with torch's default and checked by torch's
+    own constructor. ``foreach`` and ``fused`` choose among torch's kernels, which compute the
+    same update: kiln always runs its fused one (and refuses ``fused=True`` for complex
+    parameters at the step, as torch does). ``capturable=True`` and ``differentiable=True``
+    run torch's own implementation over the parameters as they are (no arena), so they work,
+    and fail, exactly where torch's do.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
                  foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
                  decoupled_weight_decay: bool = False, contiguous: bool = True,
                  shard_multiple: int | None = None):
-        _check_torch_flags(differentiable)
-        if not 0.0 <= eps or not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"invalid eps {eps} or betas {betas}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
+        _torch_checks(torch.optim.Adam, **defaults)
+        defaults["betas"] = tuple(map(_to_scalar, betas))  # as torch: 1-element tensors become 0-d
         super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
 
     def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -186,8 +222,9 @@ class Adam(ArenaOptimizer):
                     st["step"] = st["step"].to(p.device)
                 steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1.0)
-            _fused_adam(ps, [p.grad for p in ps], *([st[n] for st in states] for n in names[:2]),
-                        [st[names[2]] for st in states] if len(names) > 2 else [], steps, group)
+            m, v, *vmax = ([st[n] for st in states] for n in names)
+            _fused_adam(_as_real(ps), _as_real([p.grad for p in ps]), _as_real(m), _as_real(v),
+                        _as_real(vmax[0]) if vmax else [], steps, group)
             return
         P, G, M, V, *VM = self._lists(ps, *names)
         beta1, beta2 = group["betas"]
@@ -199,6 +236,19 @@ class Adam(ArenaOptimizer):
         for src, dst in zip(out, [P, M, V] + VM):
             src.copy_into(dst)
         torch._foreach_add_(steps, 1.0)
+
+    def _update_torch(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
+        states = [self.state[p] for p in ps]
+        beta1, beta2 = group["betas"]
+        _torch_adam(ps, [p.grad for p in ps], [st["exp_avg"] for st in states],
+                    [st["exp_avg_sq"] for st in states],
+                    [st["max_exp_avg_sq"] for st in states] if group["amsgrad"] else [],
+                    [st["step"] for st in states], foreach=group["foreach"], capturable=group["capturable"],
+                    differentiable=group["differentiable"], fused=group["fused"],
+                    has_complex=any(map(torch.is_complex, ps)),
+                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                    eps=group["eps"], maximize=group["maximize"])
 
 
 def _fused_adam(ps, gs, ms, vs, vmaxs, steps, group) -> None:
@@ -214,7 +264,8 @@ def _fused_adam(ps, gs, ms, vs, vmaxs, steps, group) -> None:
 class AdamW(Adam):
     """torch.optim.AdamW over the arena: decoupled weight decay, default 1e-2."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None, contiguous: bool = True,
@@ -280,6 +331,7 @@ class LAMB(ArenaOptimizer):
     """
 
     _per_tensor_norms = True
+    _supports_complex = False
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, trust_clip: float | None = None,
@@ -334,6 +386,7 @@ class LARS(ArenaOptimizer):
     """
 
     _per_tensor_norms = True
+    _supports_complex = False
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
                  weight_decay: float = 0.0, eta: float = 0.001, *, nesterov: bool = False,
