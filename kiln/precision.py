@@ -21,9 +21,12 @@ Use it in your own loop::
     with policy.autocast():
         loss = model(x).square().mean()
     policy.backward(loss)
+    policy.grads_to_masters()           # bf16-true only: bf16 gradients -> fp32 masters
+    # (average the gradients over data-parallel ranks here)
+    policy.unscale(optimizer)           # fp16 only: gradients / scale, before any clipping
     if policy.step(optimizer):          # False: non-finite gradients, step skipped
         scheduler.step()
-    optimizer.zero_grad()
+    policy.zero_grad(optimizer)
 """
 
 from __future__ import annotations
@@ -234,27 +237,27 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
 
-    def finish_grads(self, optimizer: torch.optim.Optimizer, reduce: Any = None) -> None:
-        """Make the optimizer's gradients the true fp32 gradients, before clipping and step:
-        ``reduce(optimizer)`` (the data-parallel average) runs where it must: on the scaled
-        gradients for fp16, so that every rank sees the same inf and skips the same step; on
-        the fp32 master gradients for bf16-true."""
+    def grads_to_masters(self) -> None:
+        """bf16-true: cast-copy the model's bf16 gradients into the fp32 master gradients, which
+        the optimizer (and the data-parallel reduction after this) works on. A no-op otherwise."""
         if self.masters:
             self.masters.grads_to_master()
             self._copied = True
-        if reduce is not None:
-            reduce(optimizer)
-        if self.scaler:
-            self.scaler.unscale_(optimizer)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """fp16: divide the (reduced) gradients by the loss scale and return the non-finite flag,
+        agreed by every rank, as a 0-d tensor (no host sync here). None in other modes."""
+        return self.scaler.unscale_(optimizer) if self.scaler else None
 
     _copied = False
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer (or skip it on fp16 overflow); returns whether it stepped."""
+        """Step the optimizer, or skip it on fp16 overflow (parameters and state untouched, the
+        scale halves); returns whether it stepped."""
         if self.scaler:
             return self.scaler.step(optimizer)
         if self.masters:
-            if not self._copied:
+            if not self._copied:  # a loop that did not call grads_to_masters
                 self.masters.grads_to_master()
             self.masters.step()
             self._copied = False

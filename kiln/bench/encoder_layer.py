@@ -16,7 +16,7 @@ Every variant starts from the same weights and sees the same input. The steps of
 variants are interleaved in rounds, so a slow patch on a shared machine hits them all
 alike; compare the ratios, not absolute times.
 
-Why ``c`` is faster: FACTS.md measured that per-element CPU random-number generation for
+Why ``c`` is faster: docs/facts.md records that per-element CPU random-number generation for
 dropout is most of the forward. ``fast_dropout`` cuts the draws fourfold while remaining
 dropout with p = 0.1 (to within 2**-17; see :func:`kiln.models.encoder.fast_dropout`); bf16
 halves the bytes that the matmuls and elementwise kernels move; compile fuses softmax,

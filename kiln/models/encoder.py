@@ -12,7 +12,7 @@ What is fused compared with ``nn.TransformerEncoderLayer``:
   (B, H, T, T) attention matrix;
 - optionally ``fast_dropout=True``: dropout masks from 16 random bits per element instead of
   one float draw per element (see :func:`fast_dropout`). CPU random-number generation, not
-  arithmetic, dominates this layer's forward at dropout 0.1 (FACTS.md: ``F.dropout`` on the
+  arithmetic, dominates this layer's forward at dropout 0.1 (docs/facts.md: ``F.dropout`` on the
   attention probabilities alone is a third of the forward).
 
 The layer is not in the model registry: the registry holds classifiers (``num_classes``,

@@ -1,0 +1,282 @@
+"""Everything a run needs before its first step: :func:`setup` builds it and, when resuming,
+puts it back exactly where the checkpoint left off. What it returns, :class:`Run`, is what
+``loop.py`` works on.
+
+Everything that can be wrong with the config is checked before anything is built (kiln.config,
+then the layout, the plan of steps and the model), and everything is built before the run
+directory is created or reopened, so a bad run leaves no half-made directory behind.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import kiln
+from kiln.config import ConfigError, save_config
+from kiln.parallel import ZeroOptimizer, broadcast_parameters, init_distributed
+from kiln.parallel._layout import Parallel, parallelize
+from kiln.precision import Precision
+from kiln.train._batches import Batches, step_plan, steps_per_epoch
+from kiln.train._build import (
+    Data,
+    build_data,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_model,
+    pick_device,
+    seed_everything,
+)
+from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
+from kiln.train._checkpoint import checkpoint_to_resume, load_into, set_rng_state
+from kiln.train._progress import Progress
+from kiln.train._ranks import NullRun, broadcast_path, check_layout
+from kiln.train._run_dir import CONFIG, RunDir
+from kiln.train._tasks import loss_from_logits, metric_names
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this run: allocated CUDA memory, or the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@dataclass
+class Meter:
+    """Counters of a run that a checkpoint carries over: the open log window and the totals."""
+
+    device: torch.device
+    window_loss: torch.Tensor = None  # sum of step losses since the last log (fp64: exact in fp64 runs)
+    window_steps: int = 0
+    window_samples: int = 0  # samples_seen when the window opened
+    samples_seen: int = 0
+    train_seconds: float = 0.0  # time in steps, without evaluation, logging and compiling
+    elapsed_before: float = 0.0  # wall time of the runs this one resumes
+    wall_start: float = field(default_factory=time.perf_counter)
+    window_start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        if self.window_loss is None:
+            self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def wall_seconds(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.wall_start
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": {"loss": self.window_loss.item(), "steps": self.window_steps},
+                "totals": {"train_seconds": self.train_seconds, "samples_seen": self.samples_seen,
+                           "wall_seconds": self.wall_seconds()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window_loss += state["window"]["loss"]
+        self.window_steps = state["window"]["steps"]
+        self.train_seconds = state["totals"]["train_seconds"]
+        self.samples_seen = self.window_samples = state["totals"]["samples_seen"]
+        self.elapsed_before = state["totals"]["wall_seconds"]
+
+
+@dataclass
+class Run:
+    """One rank's view of a run: what it trains, with what, and where it writes."""
+
+    cfg: Any
+    rank: int
+    world: int
+    layout: Any  # kiln.parallel.Layout: dp x tp x pp
+    device: torch.device
+    precision: Precision
+    data: Data
+    par: Parallel  # this rank's part of the model and the layout's pieces of a step
+    model: nn.Module  # what forward calls: par.model, compiled with train.compile
+    optimizer: torch.optim.Optimizer  # kiln's optimizer, or ZeRO-1/2 around it
+    scheduler: Any
+    batches: Batches
+    out: RunDir | NullRun  # the run directory (rank 0), or a stand-in that writes nothing
+    progress: Progress
+    loggers: list[Any]
+    best: EarlyStopping | None  # tracks the best evaluation, for checkpoints/best
+    stopper: EarlyStopping | None  # the same object when early stopping is on
+    meter: Meter
+    total_steps: int
+    start_step: int
+    compile_seconds: float | None = None
+    last_train_loss: float = float("nan")
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def plain_model(self) -> nn.Module:
+        """The model without compile's wrapper: what checkpoints read and write."""
+        return self.par.model
+
+
+def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
+          run_dir: Path | str | None = None) -> Run:
+    """Build the run ``cfg`` describes on this rank; ``resume=RUN_DIR`` continues that run from
+    its newest checkpoint, in its directory; ``run_dir`` names a new, empty run directory
+    instead of creating one under ``train.output_dir``."""
+    meter_start = time.perf_counter()
+    tc = cfg.train
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    rank, world = init_distributed(cfg.parallel.timeout_s)
+    layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
+    coords = layout.coords(rank)  # this rank's place: {"pp": .., "dp": .., "tp": ..}
+    dp = layout.dp
+    device = pick_device(tc.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
+    seed_everything(tc.seed)  # the same on every rank: identical initial weights
+    resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
+
+    # ---- build everything before touching the disk --------------------------------------
+    precision = Precision(tc.precision, device)
+    # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
+    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
+                      rank=coords["dp"], world_size=dp)
+    per_epoch = steps_per_epoch(data.train, tc.accumulate)
+    _check_steps(cfg, data, layout, per_epoch)
+    model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
+    check_model(cfg, model)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
+    if tc.activation_checkpointing != "none":
+        from kiln.memory import apply_ac
+
+        apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
+    # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; par.model
+    # is this rank's part, under the whole model's parameter names. The pipeline schedule
+    # calls the loss itself, once per micro-batch: divided by K, as train_step divides it.
+    par = parallelize(model, layout, zero=cfg.parallel.zero, sequence_parallel=cfg.parallel.sequence_parallel,
+                      pp_schedule=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches,
+                      pp_stages=cfg.parallel.pp_stages, device=device,
+                      loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
+    # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
+    # (there is no one flat arena to slice).
+    optimizer = build_optimizer(cfg.optim, par.model, contiguous=None if par.arena else False)
+    precision.attach(par.model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
+    if world > 1:
+        if par.arena and dp > 1:  # (FSDP2 and TP kept each rank's part of identical, same-seed weights)
+            broadcast_parameters(optimizer, group=par.dp_group)  # replica 0's weights in every replica
+        # each replica and stage its own dropout masks; the tp ranks of one replica the same
+        # ones, as they hold the same activations
+        torch.manual_seed(tc.seed + coords["dp"] + dp * coords["pp"])
+        if cfg.parallel.zero in (1, 2) and dp > 1:
+            # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
+            # contiguous shard of every arena; from here on only the wrapper is used.
+            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group)
+            precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
+    model = par.model
+    if tc.compile:
+        from kiln.compile import apply_compile
+
+        model = apply_compile(model)  # compiles lazily: the first step pays for it
+    total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * per_epoch
+    scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
+    if resumed is not None:
+        _check_schedule_length(cfg, resumed[1]["scheduler"], total_steps)
+    stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
+    best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best/
+
+    # ---- state: fresh, or exactly where the checkpoint left off ---------------------------
+    meter = Meter(device, wall_start=meter_start)
+    start_step, epoch, in_epoch = 0, 0, 0  # resume point: steps done, epoch, steps into it
+    if resumed is not None:
+        ckpt = resumed[1]
+        # every rank reads its part of each tensor, however this run shards it; into the
+        # arena in place (never assign=True)
+        load_into(resumed[0], par.model, optimizer, precision)
+        scheduler.load_state_dict(ckpt["scheduler"])
+        precision.load_state_dict(ckpt["precision"])
+        if best is not None and ckpt.get("best"):
+            best.load_state_dict(ckpt["best"])
+        start_step, epoch, in_epoch = ckpt["step"], ckpt["data"]["epoch"], _steps_into_epoch(ckpt)
+        meter.load_state_dict(ckpt)
+    # whole steps of data.batch_size samples; replays the steps of the epoch already done
+    batches = Batches(data.train, tc.accumulate, cfg.data.batch_size, epoch, in_epoch)
+    if resumed is not None:  # after the replay, which may have drawn random numbers
+        per_rank = resumed[1]["rng"]
+        set_rng_state(per_rank[rank] if len(per_rank) == world else per_rank[0])
+
+    # ---- the run directory ---------------------------------------------------------------
+    if rank != 0:
+        out = NullRun(broadcast_path(None))  # rank 0 alone writes; the others only learn where
+    elif resumed is None:
+        out = RunDir.open(Path(run_dir)) if run_dir is not None else RunDir.create(tc.output_dir, tc.run_name or name)
+        broadcast_path(out.path)
+        save_config(cfg, out.path / CONFIG)
+        out.write_summary(
+            status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
+            kiln_version=kiln.__version__, torch_version=torch.__version__, device=str(device),
+            parameters=n_params, total_steps=total_steps,
+        )
+    else:
+        out = RunDir.open(Path(resume))
+        broadcast_path(out.path)
+        out.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
+        save_config(cfg, out.path / CONFIG)  # may extend max_steps
+        out.write_summary(status="running", total_steps=total_steps,
+                          resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
+    out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
+                      "samples_per_second", "peak_memory_mb", "wall_seconds",
+                      *(f"eval_{m}" for m in metric_names(data.task))])
+    loggers = [TensorBoardLogger(out.path / "tensorboard")] if "tensorboard" in tc.loggers else []
+    progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
+    shown_layout = f", {world} processes ({layout})" if world > 1 else ""
+    progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, "
+                     f"steps {start_step + 1}..{total_steps} -> {out.path}")
+    meter.window_start = time.perf_counter()
+    return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
+               par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, out=out,
+               progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
+               total_steps=total_steps, start_step=start_step)
+
+
+def _check_steps(cfg: Any, data: Data, layout: Any, per_epoch: int) -> None:
+    """What the plan of steps must give before anything is built on it."""
+    tc = cfg.train
+    if per_epoch == 0:
+        if tc.max_steps is None:
+            raise ConfigError(
+                f"train.epochs={tc.epochs} needs epochs of at least one step, but the training data gives fewer "
+                f"than train.accumulate={tc.accumulate} micro-batches per epoch (or has no length); lower "
+                "data.batch_size or train.accumulate, or set train.max_steps")
+        return
+    plan = step_plan(data.train)
+    if layout.pp > 1 and plan is not None and plan.sizes[-1] != cfg.data.batch_size:
+        # a pipeline schedule averages its micro-batches' losses with equal weights
+        raise ConfigError(
+            f"data.drop_last=false leaves a last step of {plan.sizes[-1]} samples in each epoch (not "
+            f"data.batch_size={cfg.data.batch_size}), which a pipeline (parallel.pp={layout.pp}) cannot split "
+            "into equal micro-batches; set data.drop_last=true")
+
+
+def _steps_into_epoch(ckpt: dict[str, Any]) -> int:
+    data = ckpt["data"]
+    if "step" in data:
+        return data["step"]
+    # written before kiln 0.1.1, which counted micro-batches of the saved run's layout
+    saved = ckpt.get("config", {}).get("train", {}).get("accumulate", 1)
+    return data.get("position", 0) // saved
+
+
+def _check_schedule_length(cfg: Any, saved: dict[str, Any], total_steps: int) -> None:
+    """OneCycleLR fixes its phases at construction: a resumed run cannot stretch them."""
+    planned = saved.get("total_steps")
+    if cfg.optim.schedule == "onecycle" and planned is not None and planned != max(total_steps, 2):
+        raise ConfigError(
+            f"optim.schedule=onecycle was laid out for {planned} steps and cannot be stretched to "
+            f"train.max_steps={total_steps} on resume; resume with train.max_steps={planned}, or train with "
+            "optim.schedule=cosine|linear|constant, which follow the new length"
+        )
