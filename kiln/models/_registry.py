@@ -13,6 +13,11 @@ a random batch of the input its model expects (float images, or token ids for a
 language model), so code that knows only a model's name can build a correctly
 shaped input with :func:`example_input`; the model tests loop over
 :func:`list_models` and use it, so a new model is tested the day it lands.
+
+A family that can be split over tensor- or pipeline-parallel ranks registers its
+:class:`~kiln.models._plan.ParallelPlan` with it (``register_model("gpt", GPTConfig,
+plan=GPT_PLAN)``); ``kiln.parallel`` finds it with :func:`find_plan`, and config checks ask
+:func:`model_plan` and :func:`models_with` for capabilities rather than for names.
 """
 
 from __future__ import annotations
@@ -24,12 +29,18 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["register_model", "create_model", "list_models", "model_config_class", "example_input"]
+from kiln.models._plan import ParallelPlan
+
+__all__ = ["register_model", "register_plan", "create_model", "list_models", "model_config_class", "example_input",
+           "model_plan", "find_plan", "models_with", "repeated_blocks"]
 
 _Builder = TypeVar("_Builder", bound=Callable[..., nn.Module])
 
 # name -> (builder, config dataclass)
 _MODELS: dict[str, tuple[Callable[[Any], nn.Module], type]] = {}
+# name -> its family's parallel plan; model class or config class -> the same plan
+_PLANS: dict[str, ParallelPlan] = {}
+_PLANS_BY_TYPE: dict[type, ParallelPlan] = {}
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -37,12 +48,16 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else "."
 
 
-def register_model(name: str, config_cls: type) -> Callable[[_Builder], _Builder]:
+def register_model(name: str, config_cls: type, *, plan: ParallelPlan | None = None) -> Callable[[_Builder], _Builder]:
     """Register ``builder(config) -> nn.Module`` under ``name``; returns the builder unchanged.
 
     ``config_cls`` must be a dataclass whose every field has a default, so that
-    ``create_model(name)`` builds the model with its defaults.
+    ``create_model(name)`` builds the model with its defaults. ``plan``: how the family splits
+    over tensor- and pipeline-parallel ranks (see :mod:`kiln.models._plan`); without one the
+    model trains with every layout that needs no plan (data parallel, ZeRO, FSDP2).
     """
+    if plan is not None and not isinstance(plan, ParallelPlan):
+        raise TypeError(f"register_model({name!r}): plan must be a ParallelPlan, got {plan!r}")
     if not dataclasses.is_dataclass(config_cls) or not isinstance(config_cls, type):
         raise TypeError(f"register_model({name!r}): config_cls must be a dataclass type, got {config_cls!r}")
     missing = [
@@ -59,9 +74,60 @@ def register_model(name: str, config_cls: type) -> Callable[[_Builder], _Builder
         if name in _MODELS:
             raise ValueError(f"model {name!r} is already registered (by {_MODELS[name][0]!r})")
         _MODELS[name] = (builder, config_cls)
+        if plan is not None:
+            _PLANS[name] = plan
+            register_plan(config_cls, plan)
+            if isinstance(builder, type):
+                register_plan(builder, plan)
         return builder
 
     return decorator
+
+
+def register_plan(cls: type, plan: ParallelPlan) -> None:
+    """Declare ``plan`` for instances of the model class (or model config class) ``cls`` and its
+    subclasses: for a family whose builder is a function, or a user's model outside the
+    registry. The first class registered for a type keeps it."""
+    if not isinstance(cls, type) or not isinstance(plan, ParallelPlan):
+        raise TypeError(f"register_plan(cls, plan) takes a class and a ParallelPlan, got {cls!r}, {plan!r}")
+    _PLANS_BY_TYPE.setdefault(cls, plan)
+
+
+def model_plan(name: str) -> ParallelPlan | None:
+    """The parallel plan registered with model ``name`` (None: the family has none)."""
+    _lookup(name)
+    return _PLANS.get(name)
+
+
+def find_plan(obj: Any) -> ParallelPlan | None:
+    """The parallel plan for a model (or a model config) object, by its class or the nearest
+    base class with one; None if there is none."""
+    for cls in type(obj).__mro__:
+        if cls in _PLANS_BY_TYPE:
+            return _PLANS_BY_TYPE[cls]
+    return None
+
+
+def models_with(capability: str) -> list[str]:
+    """Registered models whose plan has ``capability`` (``"tp"`` or ``"pp"``), sorted."""
+    return sorted(name for name, plan in _PLANS.items() if capability in plan.capabilities)
+
+
+def repeated_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of ``model``'s repeated blocks: where its family's pipeline plan
+    says, else kiln's convention, ``model.blocks``. Raises TypeError naming both if neither holds."""
+    plan = find_plan(model)
+    path = plan.pp.repeated if plan is not None and plan.pp is not None else "blocks"
+    try:
+        blocks = model.get_submodule(path)
+    except AttributeError:
+        blocks = None
+    if not isinstance(blocks, nn.ModuleList):
+        found = "has none" if blocks is None else f"has a {type(blocks).__name__} there"
+        raise TypeError(f"{type(model).__name__} keeps no repeated blocks in an nn.ModuleList at model.{path} "
+                        f"(kiln's convention is model.blocks; a family's pipeline plan may name another path); "
+                        f"it {found}")
+    return blocks
 
 
 def list_models() -> list[str]:

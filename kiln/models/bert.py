@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.models._lm_plan import lm_plan
 from kiln.models._registry import register_model
 from kiln.models.transformer import LanguageModel, LMConfig
 
@@ -47,7 +48,12 @@ class MLMHead(nn.Module):
         return self.out(self.transform_norm(F.gelu(self.dense(self.norm(x)))))
 
 
-@register_model("bert", BERTConfig)
+# How BERT splits over tensor- and pipeline-parallel ranks (kiln/models/_lm_plan.py); under
+# sequence parallelism the head's position-wise layers run on sequence shards.
+PLAN = lm_plan(head={"head.norm": "sequence", "head.dense": "sequence", "head.transform_norm": "sequence"})
+
+
+@register_model("bert", BERTConfig, plan=PLAN)
 class BERT(LanguageModel):
     """Masked LM: ``head(blocks(embed(ids)))``, ids (B, T) -> logits (B, T, V) at every position
     (the ``mlm`` task scores only the masked ones)."""

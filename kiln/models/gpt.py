@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kiln.models._lm_plan import lm_plan
 from kiln.models._registry import register_model
 from kiln.models.transformer import LanguageModel, LMConfig
 
@@ -41,7 +42,12 @@ class LMHead(nn.Module):
         return self.out(self.norm(x))
 
 
-@register_model("gpt", GPTConfig)
+# How GPT splits over tensor- and pipeline-parallel ranks (kiln/models/_lm_plan.py); under
+# sequence parallelism the head's norm runs on sequence shards.
+PLAN = lm_plan(head={"head.norm": "sequence"})
+
+
+@register_model("gpt", GPTConfig, plan=PLAN)
 class GPT(LanguageModel):
     """Causal LM: ``head(blocks(embed(ids)))``, ids (B, T) -> logits (B, T, V).
 

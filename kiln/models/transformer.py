@@ -12,7 +12,8 @@ Every model built from these pieces is ``head(blocks(embed(ids)))``, three attri
 That composition is what lets parallelism be applied from outside without the model knowing:
 a pipeline stage replaces the parts it does not own with ``nn.Identity()`` (parameter names
 stay those of the whole model, so checkpoints reshard between layouts), and tensor
-parallelism shards ``wq/wk/wv/wo`` and ``fc1/fc2`` by name. The attention reads the number of
+parallelism shards ``wq/wk/wv/wo`` and ``fc1/fc2``, as the family's plan beside these modules
+says (``_lm_plan.py``). The attention reads the number of
 heads from the width of its input (``unflatten(-1, (-1, Dh))``), so when tensor parallelism
 gives a rank C/tp columns of ``wq``, it computes its H/tp heads without being told.
 """

@@ -1,0 +1,156 @@
+"""Parallel plans: what a model family declares so that ``kiln.parallel`` can split it.
+
+A family registers its plan beside its model (``register_model(name, Config, plan=...)``), as
+torchtitan keeps ``parallelize_llama.py`` beside Llama. ``kiln.parallel`` applies plans and
+knows no model's module names; a family without a plan still gets everything that needs none
+(precision, accumulation, the arena, compile, activation checkpointing, DP/ZeRO/FSDP2).
+
+Plans are data plus small functions; they never import ``kiln.parallel``::
+
+    PLAN = ParallelPlan(
+        tp=TensorParallelPlan(
+            styles={                               # module-path pattern -> style
+                "stem.lookup": "vocab_embedding",  # '*' matches one path component
+                "layers.*.up": "colwise",
+                "layers.*.down": "rowwise",
+                "final.proj": "vocab_head",
+            },
+            check=my_check,                        # check(model_cfg, tp, sequence_parallel)
+        ),
+        pp=PipelinePlan(first=("stem",), repeated="layers", last=("final",)),
+    )
+
+A style is one of :data:`STYLE_NAMES` (resolved by ``kiln.parallel``) or a factory
+``style(ctx: TPContext) -> ParallelStyle | None``: any ``torch.distributed.tensor.parallel``
+style, or a family's own ``ParallelStyle`` subclass (a fused q/k/v projection split per head,
+say) that names the parameters it splits in a ``sharded`` attribute (a tuple of its module's
+parameter names); None leaves the module replicated. ``TensorParallelPlan.hook(model, ctx)``
+runs after the sharding, for what styles cannot say (a module's own head count, for example).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STYLE_NAMES", "TPContext", "TensorParallelPlan", "PipelinePlan", "ParallelPlan", "check_tp_divides"]
+
+# The named styles a plan may use; kiln.parallel implements each. Shapes: B batch, T sequence,
+# C width, V vocabulary; "sp": parallel.sequence_parallel, where the residual stream between
+# the sharded matmuls is split over T (each rank holds (B, T/tp, C)).
+STYLE_NAMES = {
+    "colwise": "nn.Linear split by output features (weight and bias rows); output sharded on its "
+               "last dim, so a rank computes its own heads or hidden units",
+    "rowwise": "nn.Linear split by input features (weight columns); output summed over the ranks: "
+               "replicated (B, T, C), or reduce-scattered to (B, T/tp, C) under sp",
+    "vocab_embedding": "nn.Embedding split over the vocabulary (V/tp rows); output all-reduced, or "
+                       "reduce-scattered over T under sp (which then checks that tp divides T)",
+    "vocab_head": "the output projection split over the vocabulary (V/tp rows); input replicated "
+                  "(T shards under sp); logits a DTensor sharded on V (loss_parallel) or gathered",
+    "sequence": "under sp, a position-wise module (norm, dense) runs on T shards with replicated "
+                "weights, its output a DTensor; nothing without sp",
+    "sequence_residual": "as 'sequence', with a plain local (B, T/tp, C) output, for a module whose "
+                         "output starts the residual stream",
+    "gather_sequence": "under sp, the module's input (T shards) is all-gathered to the whole "
+                       "sequence before it runs; nothing without sp",
+    "positions": "under sp, a position table's (T, C) output is sliced to this rank's T/tp rows; "
+                 "nothing without sp",
+}
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """What a style factory or a plan's hook may depend on."""
+
+    tp: int  # tensor-parallel degree
+    sequence_parallel: bool = False
+    loss_parallel: bool = True  # logits stay sharded over the vocabulary (vocab_head)
+    mesh: Any = None  # the 1-D tensor-parallel DeviceMesh (None when only planning)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Which modules split, and how. ``styles`` maps module-path patterns (dotted, ``*`` for one
+    component, e.g. ``blocks.*.attn.wq``) to a style; a path that matches nothing, or an
+    ``nn.Identity`` (a part a pipeline stage does not own), is skipped. Everything not named is
+    replicated. ``check(model_cfg, tp, sequence_parallel)`` raises ValueError naming the numbers
+    and the fix when tp does not divide what the plan splits (see :func:`check_tp_divides`).
+    ``hook(model, ctx)`` runs after the sharding (family-specific fix-ups)."""
+
+    styles: Mapping[str, Any]
+    check: Callable[[Any, int, bool], None] | None = None
+    hook: Callable[[Any, TPContext], None] | None = None
+
+    def __post_init__(self) -> None:
+        for pattern, style in self.styles.items():
+            if isinstance(style, str):
+                if style not in STYLE_NAMES:
+                    import difflib
+
+                    close = difflib.get_close_matches(style, list(STYLE_NAMES), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ValueError(f"tensor-parallel plan: {pattern!r} -> {style!r} is not a named style{hint} "
+                                     f"Named styles: {', '.join(STYLE_NAMES)} (or give a factory ctx -> ParallelStyle)")
+            elif not callable(style):
+                raise TypeError(f"tensor-parallel plan: {pattern!r} -> {style!r}: a style is a name or a "
+                                "callable ctx -> ParallelStyle")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Where the stages cut: the model's forward must be ``last(repeated(first(x)))`` with every
+    parameter and buffer under these modules. A stage replaces what it does not own by
+    ``nn.Identity()``, so parameter names stay the whole model's.
+
+    first: module paths run by the first stage only, before the blocks (e.g. ``("embed",)``).
+    repeated: path of the ``nn.ModuleList`` of repeated blocks, split among the stages (FSDP
+        also shards block by block along it).
+    last: module paths run by the last stage only, after the blocks (e.g. ``("head",)``).
+    depth_option: the config field holding the number of blocks (checked before building).
+    tied_by: the config option that ties a first-stage weight to a last-stage one (tied input
+        and output embeddings), which stages on different ranks cannot share; None if none.
+    """
+
+    first: tuple[str, ...]
+    repeated: str
+    last: tuple[str, ...]
+    depth_option: str = "depth"
+    tied_by: str | None = None
+
+    def depth(self, model_cfg: Any) -> int:
+        return getattr(model_cfg, self.depth_option)
+
+    def ties(self, model_cfg: Any) -> bool:
+        return bool(self.tied_by and getattr(model_cfg, self.tied_by, False))
+
+    def shape(self) -> str:
+        """The forward this plan cuts, as ``last(repeated(first(x)))`` with this family's names."""
+        return f"{'/'.join(self.last)}({self.repeated}({'/'.join(self.first)}(x)))"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A family's tensor-parallel and pipeline plans (either may be None: not supported)."""
+
+    tp: TensorParallelPlan | None = None
+    pp: PipelinePlan | None = None
+    capabilities: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        caps = {name for name, part in (("tp", self.tp), ("pp", self.pp)) if part is not None}
+        object.__setattr__(self, "capabilities", frozenset(caps))
+
+
+def check_tp_divides(tp: int, sizes: Mapping[str, int], notes: Mapping[str, str] | None = None) -> None:
+    """Raise ValueError unless ``tp`` divides every size (``{"model.heads": 4, ...}``), naming the
+    first one it does not divide and the tp values that would work. ``notes``: why a size is
+    split, appended after its number."""
+    notes = notes or {}
+    g = math.gcd(*sizes.values())
+    choices = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
+    for name, n in sizes.items():
+        if n % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide {name}={n}{notes.get(name, '')}; "
+                             f"choose tp in {{{choices}}}")
