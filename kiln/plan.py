@@ -27,16 +27,22 @@ def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
     par = cfg.parallel
     params = list(model.named_parameters())
     if layout.tp > 1 or layout.pp > 1:
-        from kiln.parallel._pp import _num_stages, stage_ranges
-        from kiln.parallel._tp import tp_sharded
+        # the family's plans say which parameters split over tp and which stage holds each
+        from kiln.parallel._pp import _num_stages, stage_of_parameters, stage_ranges
+        from kiln.parallel._tp import tp_sharded_names
 
-        n_stages = _num_stages(layout.pp, par.pp_schedule, 2) if layout.pp > 1 else 1
-        ranges = stage_ranges(len(model.blocks), n_stages, par.pp_stages) if layout.pp > 1 else [range(len(model.blocks))]
+        sharded = (tp_sharded_names(model, layout.tp, sequence_parallel=par.sequence_parallel)
+                   if layout.tp > 1 else set())
+        owner: dict[str, int] = {}
+        if layout.pp > 1:
+            from kiln.models import repeated_blocks
+
+            n_stages = _num_stages(layout.pp, par.pp_schedule, 2)
+            depth = len(repeated_blocks(model))
+            owner = stage_of_parameters(model, stage_ranges(depth, n_stages, par.pp_stages))
         stages = [0] * layout.pp  # elements per pp rank (stage s runs on pp rank s % pp)
         for fqn, p in params:
-            stage = 0 if fqn.startswith("embed.") else n_stages - 1 if fqn.startswith("head.") else next(
-                s for s, r in enumerate(ranges) if int(fqn.split(".")[1]) in r)
-            stages[stage % layout.pp] += p.numel() // layout.tp if tp_sharded(fqn) else p.numel()
+            stages[owner.get(fqn, 0) % layout.pp] += p.numel() // layout.tp if fqn in sharded else p.numel()
     else:
         stages = [sum(p.numel() for _, p in params)]
     elems = max(stages)

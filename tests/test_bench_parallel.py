@@ -28,9 +28,10 @@ def _expected_local_params(name: str, tp: int, pp: int) -> int:
     """The most parameters any rank holds under tp x pp, counted from the whole model."""
     from kiln.models import create_model
     from kiln.parallel._pp import stage_ranges
-    from kiln.parallel._tp import tp_sharded  # what apply_tp splits; checked here against the real shards
+    from kiln.parallel._tp import tp_sharded_names  # what apply_tp splits; checked here against the real shards
 
     model = create_model(name, **SETTINGS["model"])
+    sharded = tp_sharded_names(model, tp)
     ranges = stage_ranges(len(model.blocks), pp)
     per_stage = [0] * pp
     for fqn, p in model.named_parameters():
@@ -41,7 +42,7 @@ def _expected_local_params(name: str, tp: int, pp: int) -> int:
         else:
             block = int(fqn.split(".")[1])
             stage = next(s for s, r in enumerate(ranges) if block in r)
-        per_stage[stage] += p.numel() // tp if tp_sharded(fqn) else p.numel()
+        per_stage[stage] += p.numel() // tp if fqn in sharded else p.numel()
     return max(per_stage)
 
 

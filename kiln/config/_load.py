@@ -251,11 +251,6 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"parallel.timeout_s={cfg['parallel']['timeout_s']} must be positive")
 
 
-# Models whose forward is head(blocks(embed(ids))) with the layer names kiln's tensor-parallel
-# plan and pipeline cutter know (kiln/models/transformer.py).
-_SPLITTABLE_MODELS = ("gpt", "bert")
-
-
 def check_parallel_model(cfg: Any, micro_batch: int | None = None) -> None:
     """Checks of the tensor- and pipeline-parallel settings against the model and the batch,
     before anything is built. ``cfg`` is a config tree (dict or DictConfig); ``micro_batch`` is
@@ -270,12 +265,17 @@ def check_parallel_model(cfg: Any, micro_batch: int | None = None) -> None:
                           "ranks; it needs parallel.tp > 1")
     if tp == 1 and pp == 1:
         return
+    from kiln.models import model_plan, models_with
+
     name = model.get("name")  # set only for registry models (see _validate_model)
-    if name not in _SPLITTABLE_MODELS:
-        what = f"model {name!r}" if name else f"model._target_={model.get('_target_')!r}"
-        raise ConfigError(f"parallel.tp={tp} / parallel.pp={pp} split a transformer language model into shards and "
-                          f"stages; {what} is not one. Use a registered {' or '.join(_SPLITTABLE_MODELS)} model, "
-                          "or parallel.tp=1 parallel.pp=1 (data parallel and ZeRO work with any model)")
+    plan = model_plan(name) if name else None
+    # what a layout needs is a capability of the family's registered parallel plan
+    for key, size, cap, what in (("tp", tp, "tp", "a tensor-parallel"), ("pp", pp, "pp", "a pipeline")):
+        if size > 1 and (plan is None or cap not in plan.capabilities):
+            model_is = f"model {name!r}" if name else f"model._target_={model.get('_target_')!r}"
+            raise ConfigError(f"parallel.{key}={size} needs a model family that registers {what} plan "
+                              f"({', '.join(models_with(cap)) or 'none is registered'}); {model_is} has none. Use one "
+                              f"of those, or parallel.{key}=1 (data parallel, ZeRO and FSDP2 work with any model)")
     if tp > 1 and par["zero"] in (1, 2):
         raise ConfigError(f"parallel.zero={par['zero']} shards kiln's flat arena, which cannot hold tensor-parallel "
                           f"(DTensor) parameters; with parallel.tp={tp} use parallel.zero=3 (FSDP2 over the "
@@ -301,14 +301,15 @@ def check_parallel_model(cfg: Any, micro_batch: int | None = None) -> None:
     if pp > 1:
         from kiln.parallel._pp import check_pipeline
 
-        if model_cfg.tie_embeddings:
-            raise ConfigError(f"model.tie_embeddings=true ties the first stage's embedding to the last stage's "
-                              f"output layer, which parallel.pp={pp} puts on different ranks; set "
-                              "model.tie_embeddings=false")
+        if plan.pp.ties(model_cfg):
+            tie = plan.pp.tied_by
+            raise ConfigError(f"model.{tie}=true ties a weight of the first pipeline stage to one of the last "
+                              f"(the input embedding to the output layer), which parallel.pp={pp} puts on different "
+                              f"ranks; set model.{tie}=false")
         microbatches = par["microbatches"] or 2 * pp
         try:
             # before the world size is known, only what does not depend on the batch per rank
-            check_pipeline(model_cfg.depth, pp, par["pp_schedule"], microbatches,
+            check_pipeline(plan.pp.depth(model_cfg), pp, par["pp_schedule"], microbatches,
                            micro_batch if micro_batch is not None else microbatches, sizes=par["pp_stages"])
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -9,9 +9,10 @@
 
 - zero=3: :func:`apply_fsdp` (FSDP2 ``fully_shard`` per block, then the root); kiln's
   optimizers with ``contiguous=False`` step the DTensor shards; :func:`clip_grad_norm_`.
-- tensor parallel: :func:`apply_tp` (Megatron-style sharding of GPT/BERT with DTensor),
-  :func:`check_tp`; pipeline parallel: :func:`build_pipeline` (GPipe, 1F1B, interleaved 1F1B),
-  :func:`check_pipeline`; :func:`clip_grad_norm_`: the global norm over any mix of plain,
+- tensor parallel: :func:`apply_tp` (Megatron-style sharding with DTensor, as the model
+  family's registered plan says: ``kiln.models.ParallelPlan``), :func:`check_tp`; pipeline
+  parallel: :func:`build_pipeline` (GPipe, 1F1B, interleaved 1F1B, cut where the family's plan
+  says), :func:`check_pipeline`; :func:`clip_grad_norm_`: the global norm over any mix of plain,
   tensor-parallel and FSDP2 gradients.
 - :class:`Layout` and :func:`parallelize`: a model laid out over ``dp x tp x pp`` ranks in one
   call (stages, then tensor parallel, then FSDP2 over dp), as the trainer does it.

@@ -1,8 +1,9 @@
 """ZeRO-3 with FSDP2: :func:`apply_fsdp` shards a kiln model with ``fully_shard``.
 
-Every kiln model has an ``nn.ModuleList`` ``blocks``; each block becomes one FSDP unit (its
-parameters all-gathered for its forward and backward, re-sharded after), then the root takes
-the rest (embeddings, head). Parameters become DTensors sharded on dim 0 over the mesh.
+Each of the model's repeated blocks (``kiln.models.repeated_blocks``: kiln's models keep them
+in ``model.blocks``, a family's pipeline plan may name another ``nn.ModuleList``) becomes one
+FSDP unit (its parameters all-gathered for its forward and backward, re-sharded after), then
+the root takes the rest (embeddings, head). Parameters become DTensors sharded on dim 0 over the mesh.
 
 Per step, on every rank (FSDP2 reduce-scatters and averages the gradients during backward)::
 
@@ -28,8 +29,8 @@ __all__ = ["apply_fsdp", "is_fsdp"]
 
 
 def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``model`` in place with FSDP2 (``fully_shard`` on each of ``model.blocks``, then
-    on the root) and return it. ``mesh``: a 1-D ``DeviceMesh`` (default: all ranks on the
+    """Shard ``model`` in place with FSDP2 (``fully_shard`` on each repeated block, then on the
+    root) and return it. ``mesh``: a 1-D ``DeviceMesh`` (default: all ranks on the
     model's device type); ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g.
     ``param_dtype=torch.bfloat16``). Call after the process group is initialised and before
     the optimizer is built; every rank must build the same model (same seed), as FSDP2 keeps
@@ -38,9 +39,12 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("apply_fsdp needs an initialised process group (kiln.parallel.init_distributed)")
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"apply_fsdp expects a kiln model with an nn.ModuleList 'blocks'; {type(model).__name__} has none")
+    from kiln.models import repeated_blocks
+
+    try:
+        blocks = repeated_blocks(model)
+    except TypeError as exc:
+        raise TypeError(f"apply_fsdp shards block by block: {exc}") from None
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -120,22 +120,35 @@ class Parallel:
 
 
 class _RankView(nn.Module):
-    """This rank's pipeline stages as one module under the whole model's names: ``embed``,
-    every block and ``head`` taken from whichever local stage owns them (the same module
-    objects, no copies; ``nn.Identity`` for what other ranks own). For the optimizer,
+    """This rank's pipeline stages as one module under the whole model's names: the pipeline
+    plan's ``first`` modules, every block and its ``last`` modules, each taken from whichever
+    local stage owns it (the same module objects, no copies; ``nn.Identity`` for what other
+    ranks own), in nested containers where the plan's paths are dotted. For the optimizer,
     ``train()/eval()`` and checkpoints; the forward pass goes through the pipeline."""
 
-    def __init__(self, stages: list[nn.Module]) -> None:
+    def __init__(self, stages: list[nn.Module], pp_plan: Any) -> None:
         super().__init__()
         self.cfg = getattr(stages[0], "cfg", None)
 
-        def owned(get: Callable[[nn.Module], nn.Module]) -> nn.Module:
-            found = [get(s) for s in stages if not isinstance(get(s), nn.Identity)]
+        def owned(path: str) -> nn.Module:
+            found = [m for m in (s.get_submodule(path) for s in stages) if not isinstance(m, nn.Identity)]
             return found[0] if found else nn.Identity()
 
-        self.embed = owned(lambda s: s.embed)
-        self.blocks = nn.ModuleList(owned(lambda s, i=i: s.blocks[i]) for i in range(len(stages[0].blocks)))
-        self.head = owned(lambda s: s.head)
+        n_blocks = len(stages[0].get_submodule(pp_plan.repeated))
+        for path in pp_plan.first:
+            self._put(path, owned(path))
+        self._put(pp_plan.repeated, nn.ModuleList(owned(f"{pp_plan.repeated}.{i}") for i in range(n_blocks)))
+        for path in pp_plan.last:
+            self._put(path, owned(path))
+
+    def _put(self, path: str, module: nn.Module) -> None:
+        *parents, name = path.split(".")
+        holder: nn.Module = self
+        for part in parents:
+            if not hasattr(holder, part):
+                holder.add_module(part, nn.Module())
+            holder = getattr(holder, part)
+        holder.add_module(name, module)
 
     def forward(self, *args: Any) -> Any:
         raise RuntimeError("this rank holds only some pipeline stages: run batches through Parallel.pipeline")
@@ -144,8 +157,11 @@ class _RankView(nn.Module):
 def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_parallel: bool = False,
                 pp_schedule: str = "1f1b", microbatches: int | None = None, pp_stages: list[int] | None = None,
                 loss_fn: Callable[..., torch.Tensor] | None = None, device: torch.device | str = "cpu",
-                timing: bool = False) -> Parallel:
+                timing: bool = False, plan: Any = None) -> Parallel:
     """Lay ``model`` (built identically, same seed, on every rank) out as ``layout`` says.
+
+    tp > 1 and pp > 1 apply the :class:`~kiln.models.ParallelPlan` of the model's family
+    (``plan``, default: the one registered for its class); dp, ZeRO and FSDP2 need none.
 
     Needs an initialised process group of ``layout.world`` ranks (none for 1 x 1 x 1).
     ``loss_fn(logits, targets)``: the mean loss of a micro-batch, for the pipeline schedule
@@ -166,7 +182,7 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
             raise ValueError("parallelize: pp > 1 needs loss_fn(logits, targets), which the schedule calls")
         pipeline = build_pipeline(model, mesh["pp"].get_group(), schedule=pp_schedule,
                                   microbatches=microbatches or 2 * layout.pp, loss_fn=loss_fn, sizes=pp_stages,
-                                  device=device, timing=timing)
+                                  device=device, timing=timing, plan=plan)
         modules = pipeline.stages
     # Logits stay sharded over the vocabulary (never gathered) unless a pipeline schedule,
     # which passes plain tensors between stages, computes the loss.
@@ -175,11 +191,16 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
         from kiln.parallel._tp import apply_tp
 
         for m in modules:
-            apply_tp(m, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+            apply_tp(m, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, plan=plan)
     if zero == 3 and layout.dp > 1:
         from kiln.parallel._fsdp import apply_fsdp
 
         for m in modules:
             apply_fsdp(m, mesh=mesh["dp"])
-    view = model if pipeline is None else _RankView(pipeline.stages)
+    if pipeline is None:
+        view = model
+    else:
+        from kiln.parallel._pp import _pp_plan
+
+        view = _RankView(pipeline.stages, _pp_plan(model, plan))
     return Parallel(view, layout, zero=zero, mesh=mesh, pipeline=pipeline, loss_parallel=loss_parallel)

@@ -1,12 +1,14 @@
-"""Pipeline parallelism for kiln's language models on ``torch.distributed.pipelining``.
+"""Pipeline parallelism from a model family's plan on ``torch.distributed.pipelining``.
 
 Shapes: B batch per data-parallel rank, M micro-batches, T sequence, C width, V vocabulary.
 
-A model qualifies when its forward is the composition ``head(blocks(embed(ids)))`` and all of
-its parameters live under ``embed``, ``blocks`` (an ``nn.ModuleList``) and ``head``: GPT and
-BERT. A stage is a copy of the whole model in which every part the stage does not own is
-``nn.Identity()`` (``embed`` unless first, ``head`` unless last, each block outside the
-stage's range), so the unchanged forward runs the stage and parameter names (FQNs) stay those
+A model qualifies when its family registers a :class:`~kiln.models.PipelinePlan`: its forward
+is ``last(repeated(first(x)))`` with every parameter under the plan's ``first`` modules, its
+``repeated`` blocks (an ``nn.ModuleList``) and its ``last`` modules (kiln's GPT and BERT:
+``head(blocks(embed(ids)))``, ``kiln/models/_lm_plan.py``). A stage is a copy of the whole
+model in which every part the stage does not own is ``nn.Identity()`` (the ``first`` modules
+unless first, the ``last`` ones unless last, each block outside the stage's range), so the
+unchanged forward runs the stage and parameter names (FQNs) stay those
 of the whole model: a ``torch.distributed.checkpoint`` checkpoint reshards between pipeline
 and non-pipeline layouts. Every rank builds the whole model with the same seed;
 :func:`build_pipeline` copies only the parts the rank's stages own (the model passed in is
@@ -57,7 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["SCHEDULES", "stage_ranges", "check_pipeline", "cut_stage", "build_pipeline", "Pipeline"]
+from kiln.models import ParallelPlan, PipelinePlan, find_plan, model_plan, models_with
+
+__all__ = ["SCHEDULES", "stage_ranges", "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline",
+           "Pipeline"]
 
 # config name -> torch.distributed.pipelining class (imported on first use: ~1 s)
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
@@ -166,62 +171,93 @@ def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_
 
 
 # -- cutting a model into stages ------------------------------------------------------------------
-def _check_lm(model: nn.Module) -> None:
-    embed, blocks, head = (getattr(model, name, None) for name in ("embed", "blocks", "head"))
-    shape_ok = isinstance(embed, nn.Module) and isinstance(blocks, nn.ModuleList) and isinstance(head, nn.Module)
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    stray = [n for n in names if not n.startswith(("embed.", "blocks.", "head."))]
-    if not shape_ok or stray:
-        why = f"it has parameters outside them ({stray[0]})" if shape_ok else \
-            "it lacks model.embed, model.blocks (an nn.ModuleList) or model.head"
-        raise TypeError(f"pipeline parallelism needs a model whose forward is head(blocks(embed(x))) with "
-                        f"every parameter under embed, blocks and head (kiln's gpt and bert); "
-                        f"{type(model).__name__} does not qualify: {why}. Train it with parallel.pp=1")
+def _pp_plan(model: nn.Module, plan: ParallelPlan | None = None) -> PipelinePlan:
+    """The pipeline plan of ``model``'s family, checked against the model: its ``repeated`` an
+    ``nn.ModuleList`` and every parameter and buffer under ``first``, ``repeated`` or ``last``."""
+    found = plan if plan is not None else find_plan(model)
+    pp_plan = found.pp if found is not None else None
+    if pp_plan is None:
+        shapes = "; ".join(f"{name}: {model_plan(name).pp.shape()}" for name in models_with("pp"))
+        raise TypeError(f"pipeline parallelism needs a model whose family registers a pipeline plan, a forward "
+                        f"last(repeated(first(x))) with every parameter under those modules ({shapes or 'none'}); "
+                        f"{type(model).__name__} has no pipeline plan. Train it with parallel.pp=1, or declare "
+                        "one with kiln.models.register_model(..., plan=...)")
+    why = ""
+    try:
+        blocks = model.get_submodule(pp_plan.repeated)
+        for path in pp_plan.first + pp_plan.last:
+            model.get_submodule(path)
+    except AttributeError as exc:
+        why = f"it lacks a module its plan names ({exc})"
+    else:
+        if not isinstance(blocks, nn.ModuleList):
+            why = f"model.{pp_plan.repeated} is a {type(blocks).__name__}, not an nn.ModuleList"
+    if not why:
+        prefixes = tuple(f"{p}." for p in (*pp_plan.first, pp_plan.repeated, *pp_plan.last))
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+        stray = [n for n in names if not n.startswith(prefixes)]
+        if stray:
+            why = f"it has parameters outside them ({stray[0]})"
+    if why:
+        raise TypeError(f"pipeline parallelism cuts {type(model).__name__} as {pp_plan.shape()}, with every "
+                        f"parameter under those modules, but {why}. Train it with parallel.pp=1")
+    return pp_plan
 
 
-def _owner(fqn: str, ranges: list[range]) -> int:
-    if fqn.startswith("embed."):
+def _owner(fqn: str, ranges: list[range], pp_plan: PipelinePlan) -> int:
+    """The stage that holds the parameter or buffer ``fqn``."""
+    if fqn.startswith(tuple(f"{p}." for p in pp_plan.first)):
         return 0
-    if fqn.startswith("head."):
+    if fqn.startswith(tuple(f"{p}." for p in pp_plan.last)):
         return len(ranges) - 1
-    block = int(fqn.split(".")[1])
+    block = int(fqn[len(pp_plan.repeated) + 1:].split(".")[0])
     return next(s for s, r in enumerate(ranges) if block in r)
 
 
-def _check_ties(model: nn.Module, ranges: list[range]) -> None:
+def stage_of_parameters(model: nn.Module, ranges: list[range], plan: ParallelPlan | None = None) -> dict[str, int]:
+    """``{parameter name: the stage that holds it}`` for stages over ``ranges`` (from
+    :func:`stage_ranges`), from the family's pipeline plan alone (``kiln plan``, on a ``meta``
+    model). A tied parameter is listed once, under its first name."""
+    pp_plan = _pp_plan(model, plan)
+    return {fqn: _owner(fqn, ranges, pp_plan) for fqn, _ in model.named_parameters()}
+
+
+def _check_ties(model: nn.Module, ranges: list[range], pp_plan: PipelinePlan) -> None:
     """A parameter reachable under two names must belong to one stage: a stage cannot update a
     weight that another rank holds (tied input/output embeddings are the common case)."""
     seen: dict[int, tuple[str, int]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        stage = _owner(fqn, ranges)
+        stage = _owner(fqn, ranges, pp_plan)
         first = seen.setdefault(id(p), (fqn, stage))
         if first[1] != stage:
-            raise ValueError(
-                f"{fqn} (stage {stage}) is the same tensor as {first[0]} (stage {first[1]}): tied weights "
-                f"cannot span pipeline stages. Set model.tie_embeddings=false to train with "
-                f"{len(ranges)} pipeline stages (or parallel.pp=1 to keep the tie)")
+            fix = (f"Set model.{pp_plan.tied_by}=false" if pp_plan.tied_by else "Untie them") + \
+                f" to train with {len(ranges)} pipeline stages (or parallel.pp=1 to keep the tie)"
+            raise ValueError(f"{fqn} (stage {stage}) is the same tensor as {first[0]} (stage {first[1]}): tied "
+                             f"weights cannot span pipeline stages. {fix}")
 
 
-def cut_stage(model: nn.Module, ranges: list[range], index: int) -> nn.Module:
+def cut_stage(model: nn.Module, ranges: list[range], index: int, *, plan: ParallelPlan | None = None) -> nn.Module:
     """A copy of ``model`` that runs stage ``index`` of ``ranges`` (from :func:`stage_ranges`):
-    ``embed`` (unless ``index == 0``), ``head`` (unless last) and every block outside
-    ``ranges[index]`` are ``nn.Identity()``; parameter names are those of ``model``. Only the
-    parts the stage keeps are copied. Raises TypeError for a model that is not
-    ``head(blocks(embed(x)))`` and ValueError when a tied weight spans two stages."""
-    _check_lm(model)
-    if sum(len(r) for r in ranges) != len(model.blocks) or not 0 <= index < len(ranges):
+    the plan's ``first`` modules (unless ``index == 0``), its ``last`` modules (unless last) and
+    every block outside ``ranges[index]`` are ``nn.Identity()``; parameter names are those of
+    ``model``. Only the parts the stage keeps are copied. ``plan``: default, the one registered
+    for the model's class. Raises TypeError for a model its plan does not fit (or without one)
+    and ValueError when a tied weight spans two stages."""
+    pp_plan = _pp_plan(model, plan)
+    blocks = model.get_submodule(pp_plan.repeated)
+    if sum(len(r) for r in ranges) != len(blocks) or not 0 <= index < len(ranges):
         raise ValueError(f"stage {index} of {len(ranges)} stages over {sum(len(r) for r in ranges)} blocks "
-                         f"does not fit a model with {len(model.blocks)} blocks")
-    _check_ties(model, ranges)
+                         f"does not fit a model with {len(blocks)} blocks")
+    _check_ties(model, ranges, pp_plan)
     # deepcopy's memo maps what the stage drops to fresh Identity modules, so the copy keeps the
-    # ModuleList's indices (blocks.5 stays blocks.5) and never copies the dropped weights
+    # ModuleList's indices (block 5 stays block 5) and never copies the dropped weights
     memo: dict[int, Any] = {}
     if index != 0:
-        memo[id(model.embed)] = nn.Identity()
+        memo.update((id(model.get_submodule(p)), nn.Identity()) for p in pp_plan.first)
     if index != len(ranges) - 1:
-        memo[id(model.head)] = nn.Identity()
-    for i, block in enumerate(model.blocks):
+        memo.update((id(model.get_submodule(p)), nn.Identity()) for p in pp_plan.last)
+    for i, block in enumerate(blocks):
         if i not in ranges[index]:
             memo[id(block)] = nn.Identity()
     return copy.deepcopy(model, memo)
@@ -487,7 +523,7 @@ def _groups(pp_group_or_mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup
 def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: str, microbatches: int,
                    loss_fn: Callable[..., torch.Tensor], sizes: list[int] | None = None,
                    virtual_stages: int = 2, device: torch.device | str = "cpu",
-                   timing: bool = False) -> Pipeline:
+                   timing: bool = False, plan: ParallelPlan | None = None) -> Pipeline:
     """Cut ``model`` into pipeline stages and return this rank's :class:`Pipeline`.
 
     Args:
@@ -504,6 +540,8 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
         device: where the stages run (they are copied there).
         timing: measure this rank's stage compute time per step (``pipe.last_step_timing``);
             on an accelerator that synchronises the device around every micro-batch.
+        plan: the :class:`~kiln.models.ParallelPlan` whose pipeline plan says where the stages
+            cut (default: the one registered for the model's class).
 
     Shapes between stages are not declared: torch 2.13's ``PipelineStage`` infers them
     (``input_args``/``output_args`` left None) from the first micro-batch on the first step,
@@ -513,15 +551,15 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
     schedule = _check_schedule(schedule)
     pp_group, dp_group = _groups(pp_group_or_mesh)
     pp, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-    _check_lm(model)
-    depth = len(model.blocks)
+    pp_plan = _pp_plan(model, plan)
+    depth = len(model.get_submodule(pp_plan.repeated))
     # the batch is not known yet (step() checks it): pass one that microbatches divides
     check_pipeline(depth, pp, schedule, microbatches, microbatches, sizes, virtual_stages=virtual_stages)
     num_stages = _num_stages(pp, schedule, virtual_stages)
     ranges = stage_ranges(depth, num_stages, sizes)
-    _check_ties(model, ranges)
+    _check_ties(model, ranges, pp_plan)
     device = torch.device(device)
     indices = list(range(rank, num_stages, pp))  # torch's loop order: stage s on pp rank s % pp
-    stages = [cut_stage(model, ranges, i).to(device) for i in indices]
+    stages = [cut_stage(model, ranges, i, plan=plan).to(device) for i in indices]
     return Pipeline(stages, indices, num_stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
                     pp_group=pp_group, dp_group=dp_group, device=device, timing=timing)

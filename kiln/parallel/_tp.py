@@ -1,26 +1,19 @@
-"""Tensor parallelism (Megatron-style) for kiln's GPT and BERT: :func:`apply_tp`.
+"""Tensor parallelism (Megatron-style) from a model family's plan: :func:`apply_tp`.
 
-Shapes: B batch, T sequence, C model width, F feed-forward width, V vocabulary, tp the
-tensor-parallel degree. Local shapes are written ``C/tp`` etc.
+Shapes: B batch, T sequence, C model width, V vocabulary, tp the tensor-parallel degree.
+Local shapes are written ``C/tp`` etc.
 
 :func:`apply_tp` shards a model in place with DTensor's ``parallelize_module`` over a 1-D
-tensor-parallel mesh; parameter names do not change (checkpoints key on them)::
-
-    embed.tok           RowwiseParallel: (V/tp, C) rows of the vocabulary; output all-reduced
-                        (or reduce-scattered over T under sequence parallelism)
-    blocks.i.attn.wq/wk/wv   ColwiseParallel: (C/tp, C), so a rank computes H/tp whole heads
-    blocks.i.attn.wo         RowwiseParallel: (C, C/tp), output all-reduced (reduce-scattered)
-    blocks.i.mlp.fc1         ColwiseParallel: (F/tp, C)
-    blocks.i.mlp.fc2         RowwiseParallel: (C, F/tp)
-    head.out            ColwiseParallel: (V/tp, C); logits stay a DTensor sharded on V
-                        (``loss_parallel=True``) or are all-gathered to a plain (B, T, V)
-
-Everything else (position embedding, norms, BERT's ``head.dense``) is replicated. With
-``sequence_parallel=True`` the residual stream between the sharded matmuls is split over T
-(each rank holds (B, T/tp, C)); norms, dropout, the residual adds and BERT's ``head.dense``
-run on those sequence shards, their parameters becoming Replicate DTensors whose gradients
-are all-reduced over the tp group as they arrive (a gradient hook, see ``_to_layout_of``). Activations outside the attention and MLP are then 1/tp the
-size, and each all-reduce becomes a reduce-scatter plus an all-gather (same traffic).
+tensor-parallel mesh, as the :class:`~kiln.models.TensorParallelPlan` its family registered
+says (module-path patterns -> styles; kiln's GPT and BERT: ``kiln/models/_lm_plan.py``).
+This module knows the named styles (``kiln.models.STYLE_NAMES``), not any model's modules;
+parameter names do not change (checkpoints key on them). Modules the plan does not name are
+replicated. With ``sequence_parallel=True`` the residual stream between the sharded matmuls
+is split over T (each rank holds (B, T/tp, C)); position-wise modules run on those sequence
+shards, their parameters becoming Replicate DTensors whose gradients are all-reduced over the
+tp group as they arrive (a gradient hook, see ``_to_layout_of``). Activations outside the
+sharded matmuls are then 1/tp the size, and each all-reduce becomes a reduce-scatter plus an
+all-gather (same traffic).
 
 Per step, on every rank of the tp group (all of them get the same batch)::
 
@@ -45,21 +38,21 @@ are scattered from it, replicated ones broadcast), whatever each rank built; rep
 must still start equal (the same seed, as for FSDP2).
 
 Dropout always runs on plain local tensors, drawing from each process's own torch RNG: without
-sequence parallelism, ``embed.dropout`` and each block's ``dropout`` act on *replicated*
-(B, T, C) activations, so every rank of a tp group must draw the same mask: seed the torch
-RNG by the dp index (``seed + dp_rank``), not by the global rank, or the tp ranks' copies of
-the residual stream silently diverge. Attention dropout acts on each rank's own heads, and
-under sequence parallelism every dropout acts on the rank's own shard, so there distinct
-per-rank seeds are also right (same seeds give correlated, still valid, masks).
+sequence parallelism, dropout on *replicated* (B, T, C) activations (the embeddings', each
+block's) must draw the same mask on every rank of a tp group: seed the torch RNG by the dp
+index (``seed + dp_rank``), not by the global rank, or the tp ranks' copies of the residual
+stream silently diverge. Attention dropout acts on each rank's own heads, and under sequence
+parallelism every dropout acts on the rank's own shard, so there distinct per-rank seeds are
+also right (same seeds give correlated, still valid, masks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Iterable
-from typing import Any
+from fnmatch import fnmatchcase
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -76,131 +69,182 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from kiln.models import STYLE_NAMES, ParallelPlan, TensorParallelPlan, TPContext, find_plan, models_with
+
 __all__ = ["all_reduce_dp_gradients", "apply_tp", "check_tp", "clip_grad_norm_", "gather_logits",
-           "tp_loss_context"]
+           "tp_loss_context", "tp_sharded_names"]
+
+_SEQ = Shard(1)  # the T dim of (B, T, C)
+
+# The named styles (kiln.models.STYLE_NAMES says what each does): ctx -> ParallelStyle, or None
+# for "leave this module replicated" (the sequence styles without sequence parallelism).
+_STYLES: dict[str, Callable[[TPContext], Any]] = {
+    "colwise": lambda ctx: ColwiseParallel(),
+    # output summed over the ranks: all-reduce to replicated (B, T, C), or reduce-scatter to (B, T/tp, C)
+    "rowwise": lambda ctx: RowwiseParallel(output_layouts=_SEQ if ctx.sequence_parallel else Replicate()),
+    "vocab_embedding": lambda ctx: RowwiseParallel(input_layouts=Replicate(),
+                                                   output_layouts=_SEQ if ctx.sequence_parallel else Replicate()),
+    "vocab_head": lambda ctx: ColwiseParallel(input_layouts=_SEQ if ctx.sequence_parallel else Replicate(),
+                                              output_layouts=Shard(-1) if ctx.loss_parallel else Replicate(),
+                                              use_local_output=not ctx.loss_parallel),
+    # position-wise maps run on T shards with replicated weights (whose gradients must then be
+    # summed over the ranks: a plain parameter here would silently get only its shard's part)
+    "sequence": lambda ctx: SequenceParallel() if ctx.sequence_parallel else None,
+    "sequence_residual": lambda ctx: SequenceParallel(use_local_output=True) if ctx.sequence_parallel else None,
+    # T shards -> DTensor all-gathered to (B, T, C) at the module's input
+    "gather_sequence": lambda ctx: (PrepareModuleInput(input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),))
+                                    if ctx.sequence_parallel else None),
+    # the vocab embedding gives this rank's (B, T/tp, C) slice, so the (T, C) position table must
+    # too: slice its output (no communication forward; all-gather of its gradient backward)
+    "positions": lambda ctx: (PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+                              if ctx.sequence_parallel else None),
+}
+assert _STYLES.keys() == STYLE_NAMES.keys(), "kiln.parallel implements exactly the named styles kiln.models lists"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _tp_plan(obj: Any, plan: ParallelPlan | None = None) -> TensorParallelPlan | None:
+    plan = plan if plan is not None else find_plan(obj)
+    return plan.tp if plan is not None else None
+
+
+def _families() -> str:
+    return ", ".join(models_with("tp")) or "none"
 
 
 def check_tp(model_cfg: Any, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Raise ``ValueError`` unless ``tp`` divides the model's heads, width, feed-forward width
-    (``round(mlp_ratio * dim)``) and vocabulary (and, with ``sequence_parallel``, ``seq_len``:
+    """Raise ``ValueError`` unless the model's family has a tensor-parallel plan and ``tp``
+    divides what the plan splits (its ``check``: for kiln's language models the heads, width,
+    feed-forward width and vocabulary, and with ``sequence_parallel`` the ``seq_len``, since
     inputs must then have a multiple of tp tokens). A pure config check, no process group."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"parallel.tp={tp!r}: must be a positive integer")
-    missing = [k for k in ("heads", "dim", "mlp_ratio", "vocab_size") if not hasattr(model_cfg, k)]
-    if missing:
-        raise ValueError(f"parallel.tp={tp}: tensor parallelism supports the transformer language models "
-                         f"(gpt, bert); {type(model_cfg).__name__} has no {', '.join(missing)}")
-    sizes = {"model.heads": model_cfg.heads, "model.dim": model_cfg.dim,
-             "the feed-forward width round(model.mlp_ratio*model.dim)": round(model_cfg.mlp_ratio * model_cfg.dim),
-             "model.vocab_size": model_cfg.vocab_size}
-    if sequence_parallel:
-        sizes["model.seq_len"] = model_cfg.seq_len
-    choices = ", ".join(map(str, _divisors(math.gcd(*sizes.values()))))
-    for name, n in sizes.items():
-        if n % tp:
-            why = " (parallel.sequence_parallel splits the sequence)" if name == "model.seq_len" else ""
-            raise ValueError(f"parallel.tp={tp} does not divide {name}={n}{why}; choose tp in {{{choices}}}")
+    tp_plan = _tp_plan(model_cfg)
+    if tp_plan is None:
+        raise ValueError(f"parallel.tp={tp}: tensor parallelism supports the transformer language models and other "
+                         f"families that register a tensor-parallel plan ({_families()}); "
+                         f"{type(model_cfg).__name__}'s family has none")
+    if tp_plan.check is not None:
+        tp_plan.check(model_cfg, tp, sequence_parallel)
 
 
-# The parameters apply_tp splits over the tp ranks (column-parallel weights and biases, row-
-# parallel weights, the vocabulary-parallel embedding and output layer); everything else is
-# replicated. For planning memory without building anything (kiln plan).
-_SHARDED = re.compile(r"blocks\.\d+\.(attn\.w[qkv]\.(weight|bias)|attn\.wo\.weight|mlp\.fc1\.(weight|bias)"
-                      r"|mlp\.fc2\.weight)|embed\.tok\.weight|head\.out\.(weight|bias)")
+def _matches(pattern: str, path: str) -> bool:
+    """Dotted ``pattern`` against a module path, component by component (``*`` is one component)."""
+    want, have = pattern.split("."), path.split(".")
+    return len(want) == len(have) and all(fnmatchcase(h, w) for w, h in zip(want, have))
 
 
-def tp_sharded(fqn: str) -> bool:
-    """Whether :func:`apply_tp` splits the parameter named ``fqn`` over the tp ranks."""
-    return _SHARDED.fullmatch(fqn) is not None
+def _resolve(model: nn.Module, tp_plan: TensorParallelPlan, ctx: TPContext) -> dict[str, tuple[Any, Any]]:
+    """``{module path: (the plan's style entry, ParallelStyle)}`` for every module of ``model``
+    the plan splits; modules that are ``nn.Identity`` (parts a pipeline stage does not own) or
+    whose style is None in this context are left out."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for path, module in model.named_modules():
+        if not path or isinstance(module, nn.Identity):
+            continue
+        hits = [p for p in tp_plan.styles if _matches(p, path)]
+        if len(hits) > 1:
+            raise ValueError(f"tensor-parallel plan of {type(model).__name__}: module {path} matches the patterns "
+                             f"{hits}; make them name one module each")
+        if hits:
+            entry = tp_plan.styles[hits[0]]
+            style = _STYLES[entry](ctx) if isinstance(entry, str) else entry(ctx)
+            if style is not None:
+                out[path] = (entry, style)
+    return out
 
 
-def _is_identity(m: Any) -> bool:
-    return m is None or isinstance(m, nn.Identity)
+def _split_parameters(style: Any, module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s own parameters ``style`` splits over the tp ranks."""
+    named = getattr(style, "sharded", None)  # a family's own ParallelStyle names them
+    if named is not None:
+        return tuple(named)
+    if isinstance(style, ColwiseParallel):  # Linear: weight and bias rows; Embedding: columns
+        return tuple(n for n, _ in module.named_parameters(recurse=False))
+    if isinstance(style, RowwiseParallel):  # Linear: weight columns (the bias is replicated); Embedding: rows
+        return ("weight",)
+    return ()
+
+
+def tp_sharded_names(model: nn.Module, tp: int = 2, *, sequence_parallel: bool = False,
+                     plan: ParallelPlan | None = None) -> set[str]:
+    """The names of the parameters :func:`apply_tp` splits over ``tp`` ranks (everything else is
+    replicated), from the family's plan alone: for planning memory on a ``meta`` model
+    (``kiln plan``) without building anything. Empty for a model without a plan."""
+    tp_plan = _tp_plan(model, plan)
+    if tp_plan is None:
+        return set()
+    ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel)
+    out: set[str] = set()
+    for path, (_, style) in _resolve(model, tp_plan, ctx).items():
+        out.update(f"{path}.{n}" for n in _split_parameters(style, model.get_submodule(path)))
+    return out
+
+
+def _aliases(model: nn.Module) -> list[list[str]]:
+    """Groups of names under which one parameter is reachable (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(fqn)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, aliases: list[list[str]]) -> None:
+    """Make each group of tied names one parameter again: ``parallelize_module`` replaced each
+    module's parameters by its own DTensor. Both sides must have been split alike."""
+    for first, *others in aliases:
+        keep = model.get_parameter(first)
+        for fqn in others:
+            owner_path, _, attr = fqn.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            now = getattr(owner, attr)
+            layouts = [tuple(t.placements) if isinstance(t, DTensor) else "plain" for t in (keep, now)]
+            if layouts[0] != layouts[1]:
+                raise ValueError(f"apply_tp: {first} and {fqn} are one tied tensor, but the tensor-parallel plan lays "
+                                 f"them out as {layouts[0]} and {layouts[1]}; give both modules styles that split it "
+                                 "alike (vocab_embedding and vocab_head), or untie them")
+            setattr(owner, attr, keep)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-             loss_parallel: bool = True) -> nn.Module:
-    """Shard a kiln GPT or BERT (``head(blocks(embed(ids)))``) in place over the 1-D
-    ``tp_mesh`` (Megatron-style, see the module docstring) and return it.
+             loss_parallel: bool = True, plan: ParallelPlan | None = None) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` as its family's tensor-parallel plan
+    says (Megatron-style, see the module docstring) and return it.
 
-    ``model.embed``, ``model.head`` or any ``model.blocks[i]`` may be ``nn.Identity`` (a
-    pipeline stage): those are skipped. ``sequence_parallel``: norms, dropout and residual
-    adds run on (B, T/tp, C) sequence shards, and a block's or stage's input and output are
-    such shards (T must be a multiple of tp). ``loss_parallel``: the logits are a DTensor
-    sharded on the vocabulary, to be consumed under :func:`tp_loss_context` (cross-entropy
-    without gathering them); False: plain replicated (B, T, V) logits. Tied embeddings
-    (``head.out.weight is embed.tok.weight``) stay tied: both are Shard(0) over V.
+    ``plan``: the :class:`~kiln.models.ParallelPlan` to apply (default: the one registered for
+    the model's class, :func:`kiln.models.find_plan`). Modules that are ``nn.Identity`` (the
+    parts of a whole model a pipeline stage does not own) are skipped. ``sequence_parallel``:
+    position-wise modules and residual adds run on (B, T/tp, C) sequence shards, and a block's
+    or stage's input and output are such shards (T must be a multiple of tp).
+    ``loss_parallel``: the logits are a DTensor sharded on the vocabulary, to be consumed under
+    :func:`tp_loss_context` (cross-entropy without gathering them); False: plain replicated
+    (B, T, V) logits. Tied weights stay tied when the plan splits both sides alike.
 
     Call after the process group is initialised, before FSDP (``apply_fsdp(model,
     mesh=mesh["dp"])``) and before the optimizer is built.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh (e.g. mesh['tp']), got {tp_mesh.ndim}-D {tp_mesh}")
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or not hasattr(model, "embed") or not hasattr(model, "head"):
-        raise TypeError(f"apply_tp expects a kiln language model (embed, blocks, head), got {type(model).__name__}")
+    tp_plan = _tp_plan(model, plan)
+    if tp_plan is None:
+        raise TypeError(f"apply_tp: {type(model).__name__} has no tensor-parallel plan (families with one: "
+                        f"{_families()}); declare one with kiln.models.register_model(..., plan=...) or "
+                        "kiln.models.register_plan(cls, plan)")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_tp: the model already has DTensor parameters; apply it once, before apply_fsdp")
     tp = tp_mesh.size()
-    if getattr(model, "cfg", None) is not None:
-        check_tp(model.cfg, tp)
-    embed, head = model.embed, model.head
-    tied = (not _is_identity(embed) and not _is_identity(head)
-            and getattr(getattr(head, "out", None), "weight", None) is embed.tok.weight)
-    sp = sequence_parallel
-    seq = Shard(1)  # the T dim of (B, T, C)
-    plan: dict[str, Any] = {}
-
-    if not _is_identity(embed):
-        plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
-        if sp:
-            # tok gives this rank's (B, T/tp, C) slice, so the (T, C) position table must too:
-            # slice its output (no communication forward; all-gather of its gradient backward)
-            plan["embed.pos"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-            if not _is_identity(embed.norm):
-                plan["embed.norm"] = SequenceParallel(use_local_output=True)
-            embed.register_forward_pre_hook(_check_seq_divisible(tp))
-
-    for i, block in enumerate(blocks):
-        if _is_identity(block):
-            continue
-        b = f"blocks.{i}"
-        # Rowwise output: all-reduce to replicated (B, T, C), or reduce-scatter to (B, T/tp, C)
-        row_out = seq if sp else Replicate()
-        plan.update({
-            f"{b}.attn.wq": ColwiseParallel(), f"{b}.attn.wk": ColwiseParallel(), f"{b}.attn.wv": ColwiseParallel(),
-            f"{b}.attn.wo": RowwiseParallel(output_layouts=row_out),
-            f"{b}.mlp.fc1": ColwiseParallel(),
-            f"{b}.mlp.fc2": RowwiseParallel(output_layouts=row_out),
-        })
-        if sp:
-            # norm -> DTensor on T shards -> all-gathered to (B, T, C) at the attention / MLP input
-            plan.update({
-                f"{b}.norm1": SequenceParallel(), f"{b}.norm2": SequenceParallel(),
-                f"{b}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            })
-
-    if not _is_identity(head):
-        logits = Shard(-1) if loss_parallel else Replicate()
-        plan["head.out"] = ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=logits,
-                                           use_local_output=not loss_parallel)
-        if sp:
-            # GPT: norm; BERT: norm, dense, transform_norm: maps applied position by position, so
-            # they run on T shards with replicated weights (whose gradients must then be summed
-            # over the ranks: a plain parameter here would silently get only its shard's part).
-            # The last one hands head.out a DTensor on T shards.
-            for n, m in head.named_children():
-                if n != "out" and any(True for _ in m.parameters()):
-                    plan[f"head.{n}"] = SequenceParallel()
-
-    parallelize_module(model, tp_mesh, plan)
-    if tied:
-        model.head.out.weight = model.embed.tok.weight  # both DTensors are Shard(0) over V
+    if tp_plan.check is not None and getattr(model, "cfg", None) is not None:
+        tp_plan.check(model.cfg, tp, False)  # inputs may be shorter than seq_len: T is checked per batch
+    ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, mesh=tp_mesh)
+    resolved = _resolve(model, tp_plan, ctx)
+    aliases = _aliases(model)
+    parallelize_module(model, tp_mesh, {path: style for path, (_, style) in resolved.items()})
+    _retie(model, aliases)
+    if sequence_parallel:
+        for path, (entry, _) in resolved.items():
+            if entry == "vocab_embedding":  # its output is reduce-scattered over T: check T first
+                model.get_submodule(path).register_forward_pre_hook(_check_seq_divisible(tp), prepend=True)
+    if tp_plan.hook is not None:
+        tp_plan.hook(model, ctx)
     for p in model.parameters():
         if isinstance(p, DTensor):
             p.register_hook(_to_layout_of(p))
@@ -211,7 +255,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
 def _to_layout_of(p: DTensor):
     """A gradient hook giving ``p``'s gradient ``p``'s placements. In torch 2.13 DTensor leaves
     two gradients in another layout: a Replicate parameter used on sequence shards
-    (SequenceParallel norms, BERT's head.dense) gets a Partial(sum) gradient, each rank holding
+    (the ``sequence`` styles' norms and dense layers) gets a Partial(sum) gradient, each rank holding
     its shard's contribution (torch.optim only works because its DTensor arithmetic reduces it
     lazily; kiln.optim steps local tensors), and the vocab-parallel embedding gets its full
     (V, C) gradient as Replicate instead of Shard(0). Here the first is all-reduced and the
