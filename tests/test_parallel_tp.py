@@ -60,7 +60,8 @@ def _full(t):
 def _train(name, model, opt, *, rows=slice(None), tp_loss=True, dp_sync=None, clip_fn=None):
     """STEPS optimizer steps; returns losses, every step's full gradients (after any sync and
     clipping to CLIP: what the optimizer steps), clip norms and the final full parameters."""
-    from kiln.parallel._tp import all_reduce_dp_gradients, tp_loss_context
+    from kiln.parallel import all_reduce_gradients
+    from kiln.parallel._tp import tp_loss_context
 
     losses, grads, norms = [], [], []
     for s in range(STEPS):
@@ -70,7 +71,7 @@ def _train(name, model, opt, *, rows=slice(None), tp_loss=True, dp_sync=None, cl
             loss = F.cross_entropy(model(ids[rows]).flatten(0, -2).float(), y[rows].flatten())
             loss.backward()
         if dp_sync is not None:
-            all_reduce_dp_gradients(model, dp_sync)
+            all_reduce_gradients(model.parameters(), dp_sync)
         if clip_fn is not None:
             norms.append(float(clip_fn(model.parameters(), CLIP)))
         losses.append(loss.item())
@@ -91,7 +92,7 @@ def _reference(name, opt="AdamW", **kw):
 
 
 def _tp_train(name, model, opt="AdamW", **kw):
-    from kiln.parallel._tp import clip_grad_norm_
+    from kiln.parallel import clip_grad_norm_
 
     kwargs = OPT if opt == "AdamW" else LAMB
     return _train(name, model, getattr(ko, opt)(model.parameters(), contiguous=False, **kwargs),
@@ -325,7 +326,7 @@ def _dp_tp_worker(rank, world):
         model = apply_tp(_model(name), mesh["tp"], sequence_parallel=sp)
         if mode == "fsdp":
             apply_fsdp(model, mesh=mesh["dp"])  # FSDP2 reduce-scatters (averages) over dp
-        run = _tp_train(name, model, rows=rows, dp_sync=mesh["dp"] if mode == "allreduce" else None)
+        run = _tp_train(name, model, rows=rows, dp_sync=mesh["dp"].get_group() if mode == "allreduce" else None)
         out[name, mode] = dict(run=run, layout=_layout(model))
     model = apply_fsdp(apply_tp(_model("gpt"), mesh["tp"]), mesh=mesh["dp"])
     out["lamb"] = _tp_train("gpt", model, "LAMB", rows=rows)

@@ -93,7 +93,7 @@ def _train_case(rank_: int, world: int, name: str, stage: int | None, clip: floa
         else:
             zero.reduce_gradients()
             if clip:
-                zero.clip_grad_norm_(clip)
+                ko.clip_grad_norm_(zero, clip)
         runner.step()
         if stage == 2 and step == STEPS - 1:  # between steps: no full gradient anywhere
             out["grads_none"] = all(p.grad is None for p in model.parameters())

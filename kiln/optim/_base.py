@@ -289,6 +289,16 @@ class ArenaOptimizer(Optimizer):
         self._sync(check_fresh=False)
         return [pk.arena.grad for pk in self._packs]
 
+    def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple[Any, ...]]]:
+        """``[(tensors, process groups)]``: the tensors that hold this optimizer's gradients on
+        this rank and the groups over which their norms sum to the whole gradient's (see
+        :func:`kiln.optim.clip_grad_norm_`): the flat buffers, or each parameter's (local) grad."""
+        if not self.contiguous:
+            from kiln.optim._clip import param_grad_parts
+
+            return param_grad_parts(p for g in self.param_groups for p in g["params"])
+        return [(self.flat_grads(), ())]
+
     def mark_grads_ready(self) -> None:
         """Count every trainable parameter as having received a gradient this step. For code
         that writes the flat gradient itself instead of through autograd (the fp32 master
@@ -656,31 +666,3 @@ def _flat_args(pack: _Pack, i: int, j: int, *names: str) -> list[torch.Tensor]:
     if a.dtype.is_complex:  # as torch.optim: each complex number is two reals, (n,) -> (2n,)
         ts = [torch.view_as_real(t).view(-1) for t in ts]
     return ts
-
-
-def clip_grad_norm_(optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Clip the gradients of all of ``optimizer``'s parameters; one reduction per arena.
-
-    Returns the total norm before clipping (a tensor), like ``torch.nn.utils.clip_grad_norm_``.
-    For a kiln optimizer with ``contiguous=False`` or any other optimizer it defers to torch.
-    """
-    if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-    optimizer._sync(check_fresh=False)
-    packs = optimizer._packs
-    if not packs:
-        return torch.tensor(0.0)
-    device = packs[0].arena.device
-    norm_type = float(norm_type)
-    norms = [torch.linalg.vector_norm(pk.arena.grad, norm_type).to(device) for pk in packs]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-    # no data-dependent branch (a host sync on GPUs): multiply by min(1, max_norm/total)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for pk in packs:
-            pk.arena.grad.mul_(coef.to(pk.arena.grad.device, pk.arena.grad.dtype))
-    return total

@@ -8,12 +8,13 @@
   and gradients) around a kiln optimizer; each rank owns one contiguous shard of each arena.
 
 - zero=3: :func:`apply_fsdp` (FSDP2 ``fully_shard`` per block, then the root); kiln's
-  optimizers with ``contiguous=False`` step the DTensor shards; :func:`clip_grad_norm_`.
+  optimizers with ``contiguous=False`` step the DTensor shards.
 - tensor parallel: :func:`apply_tp` (Megatron-style sharding with DTensor, as the model
   family's registered plan says: ``kiln.models.ParallelPlan``), :func:`check_tp`; pipeline
   parallel: :func:`build_pipeline` (GPipe, 1F1B, interleaved 1F1B, cut where the family's plan
-  says), :func:`check_pipeline`; :func:`clip_grad_norm_`: the global norm over any mix of plain,
-  tensor-parallel and FSDP2 gradients.
+  says), :func:`check_pipeline`.
+- :func:`clip_grad_norm_` (``kiln.optim.clip_grad_norm_``): the global norm over any mix of
+  plain, arena, ZeRO-shard, tensor-parallel and FSDP2 gradients and pipeline stages.
 - :class:`Layout` and :func:`parallelize`: a model laid out over ``dp x tp x pp`` ranks in one
   call (stages, then tensor parallel, then FSDP2 over dp), as the trainer does it.
 - :func:`save_sharded` / :func:`load_sharded`: DCP checkpoints keyed per parameter (FQN) that
@@ -27,9 +28,10 @@ from typing import Any
 
 from kiln.parallel._dist import init_distributed, is_main, rank, world_size
 from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters
+from kiln.optim import clip_grad_norm_  # the one global-norm clip, for every layout's gradients
 
 # FSDP2 and DCP take most of a second to import: loaded when first used, not by every trainer.
-_LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "clip_grad_norm_": "_tp", "apply_tp": "_tp",
+_LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp",
          "check_tp": "_tp", "build_pipeline": "_pp", "check_pipeline": "_pp", "parallelize": "_layout",
          "Layout": "_mesh",
          "save_sharded": "_checkpoint", "load_sharded": "_checkpoint"}

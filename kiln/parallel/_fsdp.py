@@ -11,7 +11,7 @@ Per step, on every rank (FSDP2 reduce-scatters and averages the gradients during
     opt = kiln.optim.AdamW(model.parameters(), contiguous=False)  # multi-tensor over the shards
     for step in ...:
         loss_fn(model(x_rank)).backward()       # x_rank: this rank's part of the global batch
-        total = kiln.parallel.clip_grad_norm_(model.parameters(), 1.0)  # optional, global norm (kiln.parallel._tp)
+        total = kiln.optim.clip_grad_norm_(opt, 1.0)  # optional: the global norm over the shards
         opt.step(); opt.zero_grad()
 
 kiln's optimizers run on the local shards (fused AdamW/Adam/SGD kernels unchanged); LAMB and

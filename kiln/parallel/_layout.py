@@ -84,39 +84,25 @@ class Parallel:
         return self.pipeline.share_from_last(metrics) if self.pipeline is not None else metrics
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Average the gradients over the data-parallel ranks, once per optimizer step: one
-        all-reduce per arena (or a reduce-scatter into the shard, ZeRO-1/2), an all-reduce of
-        the local DTensor shards (tensor parallel), nothing under FSDP2 (done in backward)."""
+        """Average the gradients over the data-parallel ranks, once per optimizer step: a
+        reduce-scatter into each rank's shard (ZeRO-1/2), or one all-reduce per arena (or per
+        dtype over the local DTensor shards, tensor parallel); nothing under FSDP2, whose
+        backward reduce-scattered them already."""
         if self.layout.dp == 1 or self.fsdp:
             return
         from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients
 
         if isinstance(optimizer, ZeroOptimizer):
             optimizer.reduce_gradients()
-        elif self.tp:
-            from kiln.parallel._tp import all_reduce_dp_gradients
-
-            all_reduce_dp_gradients(self.model, self.dp_group)
         else:
             all_reduce_gradients(optimizer, self.dp_group)
 
-    @torch.no_grad()
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip the norm of the whole model's gradient (every stage, shard and tensor-parallel
+        """Clip the norm of the whole model's gradient (every shard, stage and tensor-parallel
         piece counted once); returns the norm before clipping, the same on every rank."""
-        from kiln.parallel._zero import ZeroOptimizer
+        import kiln.optim
 
-        if isinstance(optimizer, ZeroOptimizer):
-            return optimizer.clip_grad_norm_(max_norm, extra_group=self.pp_group)
-        if self.arena and self.pp_group is None:
-            import kiln.optim
-
-            return kiln.optim.clip_grad_norm_(optimizer, max_norm)
-        from kiln.parallel._tp import clip_grad_norm_
-
-        # every tp and FSDP2 shard and every pipeline stage's gradient counted once
-        # (parameters() lists a tied parameter once)
-        return clip_grad_norm_(self.model.parameters(), max_norm, extra_group=self.pp_group)
+        return kiln.optim.clip_grad_norm_(optimizer, max_norm, extra_group=self.pp_group)
 
 
 class _RankView(nn.Module):

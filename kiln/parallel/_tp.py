@@ -26,8 +26,8 @@ Per step, on every rank of the tp group (all of them get the same batch)::
             logits = model(ids)                    # DTensor (B, T, V) sharded on V
             loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
             loss.backward()
-        all_reduce_dp_gradients(model, mesh["dp"]) # only for replicated dp (no FSDP), dp > 1
-        clip_grad_norm_(model.parameters(), 1.0)   # optional: global norm over every mesh
+        all_reduce_gradients(opt, mesh["dp"].get_group())  # only for replicated dp (no FSDP), dp > 1
+        kiln.optim.clip_grad_norm_(opt, 1.0)       # optional: global norm over every mesh
         opt.step(); opt.zero_grad()
 
 For evaluation (accuracy), ``gather_logits(model(ids))`` turns the sharded logits into the
@@ -49,8 +49,6 @@ also right (same seeds give correlated, still valid, masks).
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
@@ -71,7 +69,7 @@ from torch.distributed.tensor.parallel import (
 
 from kiln.models import STYLE_NAMES, ParallelPlan, TensorParallelPlan, TPContext, find_plan, models_with
 
-__all__ = ["all_reduce_dp_gradients", "apply_tp", "check_tp", "clip_grad_norm_", "gather_logits",
+__all__ = ["apply_tp", "check_tp", "gather_logits",
            "tp_loss_context", "tp_sharded_names"]
 
 _SEQ = Shard(1)  # the T dim of (B, T, C)
@@ -311,91 +309,3 @@ def gather_logits(logits: torch.Tensor) -> torch.Tensor:
     """The full plain (B, T, V) tensor of tensor-parallel logits (all-gathered over V when they
     are a sharded DTensor; returned as is otherwise): for accuracy, argmax, sampling."""
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-
-def _local_and_dims(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(local tensor, (mesh, mesh dims it is split over) or None): what must be summed over
-    ranks to get a statistic of the full tensor. _StridedShard (FSDP2 over a TP shard) is not
-    ``is_shard()`` in torch 2.13, so everything but Replicate counts as split."""
-    if not isinstance(t, DTensor):
-        return t, None
-    if any(p.is_partial() for p in t.placements):
-        raise ValueError(f"gradient with Partial placements {t.placements}: reduce it before clipping")
-    dims = tuple(d for d, p in enumerate(t.placements) if not p.is_replicate())
-    return t._local_tensor, ((t.device_mesh, dims) if dims else None)
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for a mix of plain, tensor-parallel and FSDP2 (also
-    2-D) gradients on any meshes: the norm of the full gradients, one all-reduce per distinct
-    (mesh, split dims) group and mesh dim; returns it as a plain tensor, the same on every
-    rank. (torch's own stacks the per-tensor norms and fails on DTensors of different meshes
-    or on DTensors mixed with plain tensors, which TP models have.) ``extra_group``: the ranks
-    holding the model's other parameters (pipeline stages), whose gradients count too."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
-    if not grads and extra_group is None:
-        return torch.tensor(0.0)
-    inf = math.isinf(norm_type)
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        local, key = _local_and_dims(g)
-        groups.setdefault(key, []).append(local)
-    total: torch.Tensor | None = None
-    for key, ts in groups.items():
-        # at least fp32, and fp64 gradients keep fp64 (numerical checks compare to 1e-9)
-        norms = torch.stack([n.to(torch.promote_types(n.dtype, torch.float32))
-                             for n in torch._foreach_norm(ts, norm_type)])
-        part = norms.max() if inf else norms.pow(norm_type).sum()
-        if key is not None:
-            mesh, dims = key
-            for d in dims:
-                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
-        total = part if total is None else (torch.maximum(total, part) if inf else total + part)
-    if total is None:  # no gradient here, but the other stages wait for this rank's part
-        total = torch.zeros((), dtype=torch.float32)
-    if extra_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=extra_group)
-    total = total if inf else total.pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so they cannot be clipped")
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for ts in groups.values():
-        torch._foreach_mul_(ts, coef.to(ts[0].device))
-    return total
-
-
-@torch.no_grad()
-def all_reduce_dp_gradients(model_or_params: nn.Module | Iterable[torch.Tensor],
-                            dp_mesh: DeviceMesh | dist.ProcessGroup) -> None:
-    """Average every parameter's local gradient over the data-parallel group (replicated dp,
-    no FSDP): for a TP model the local shards of its DTensor gradients, which have the same
-    layout on every dp rank. One all-reduce per dtype over a flat copy of the gradients.
-    A parameter without a gradient counts as zero (every rank must send the same buffer).
-    Call once per optimizer step, after the last micro-batch's backward, before clipping."""
-    group = dp_mesh.get_group() if isinstance(dp_mesh, DeviceMesh) else dp_mesh
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for p in params:
-        if not p.requires_grad or id(p) in seen:  # a tied parameter is listed once
-            continue
-        seen.add(id(p))
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        for g, v in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(v.view_as(g))
-

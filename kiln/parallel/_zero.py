@@ -31,7 +31,7 @@ The order of calls per optimizer step, on every rank (a trainer does exactly thi
         for micro in range(accumulate):      # gradients accumulate locally, no communication
             (loss_fn(model(x[micro])) / accumulate).backward()
         zero.reduce_gradients()              # once per step (step() calls it if you do not)
-        total = zero.clip_grad_norm_(1.0)    # optional: global norm over all ranks' shards
+        total = kiln.optim.clip_grad_norm_(zero, 1.0)  # optional: global norm over all ranks' shards
         zero.step()                          # shard update (+ all-gather of parameters)
         zero.zero_grad()
 
@@ -47,7 +47,6 @@ exactly like one process with batch B (tested to 1e-6).
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Callable
 
@@ -127,7 +126,7 @@ def _union_received(opt: ArenaOptimizer, group: dist.ProcessGroup | None) -> Non
 
 
 @torch.no_grad()
-def all_reduce_gradients(optimizer: Optimizer, group: dist.ProcessGroup | None = None, *,
+def all_reduce_gradients(optimizer: Optimizer | Any, group: dist.ProcessGroup | None = None, *,
                          sync_unused: bool = True) -> None:
     """Average the gradients of ``optimizer``'s parameters over the ranks of ``group`` (zero=0).
 
@@ -135,8 +134,8 @@ def all_reduce_gradients(optimizer: Optimizer, group: dist.ProcessGroup | None =
     gradient in place, then one divide; the arena's padding is zero and stays zero. With
     ``sync_unused`` (default) one more tiny all-reduce ORs which parameters received a
     gradient, so ranks that disagree (a branch taken on some ranks only) still step the same
-    parameters. Other optimizers: one all-reduce per parameter (a missing gradient counts as
-    zero). Call it once per optimizer step, after the *last* micro-batch's backward of a
+    parameters. Other optimizers, or parameters: one all-reduce per dtype over a flat copy of
+    the (local) gradients, a missing gradient counting as zero. Call it once per optimizer step, after the *last* micro-batch's backward of a
     gradient accumulation, before unscaling, clipping and ``step()``.
     """
     world = _world(group)
@@ -146,20 +145,26 @@ def all_reduce_gradients(optimizer: Optimizer, group: dist.ProcessGroup | None =
         optimizer.reduce_gradients()
         return
     if isinstance(optimizer, ArenaOptimizer) and optimizer.contiguous:
-        grads = optimizer.flat_grads()
         if sync_unused:
             _union_received(optimizer, group)
-    else:
-        grads = []
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if p.grad is not None:
-                    grads.append(p.grad)
-    for g in grads:
-        dist.all_reduce(g, group=group)  # gloo has no AVG: sum, then divide once
-        g.div_(world)
+        for g in optimizer.flat_grads():
+            dist.all_reduce(g, group=group)  # gloo has no AVG: sum, then divide once
+            g.div_(world)
+        return
+    # Parameters as they are (multi-tensor mode; the local shards of tensor-parallel DTensor
+    # gradients, laid out alike on every dp rank): one all-reduce per dtype over a flat copy.
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in dict.fromkeys(_tensors_of(optimizer)):  # a tied parameter once
+        if not p.requires_grad:
+            continue
+        if p.grad is None:  # every rank must send the same buffer: a missing gradient is zero
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(getattr(p.grad, "_local_tensor", p.grad))
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 # -- ZeRO-1 / ZeRO-2 ----------------------------------------------------------------------------
@@ -289,53 +294,22 @@ class ZeroOptimizer(Optimizer):
             self._free_grads()
 
     def flat_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank steps, after :meth:`reduce_gradients` (which it calls): the
-        full flat gradients (stage 0) or this rank's shard of each (stages 1, 2). A loss
+        """The gradients this rank steps: the full flat gradients (stage 0) or this rank's shard
+        of each (stages 1, 2), averaged once :meth:`reduce_gradients` has run this step. A loss
         scaler's non-finite check over them must be OR-ed over ranks (each sees its shard)."""
-        self.reduce_gradients()
         if self.stage == 0:
             return self.optimizer.flat_grads()
         return [sp.arena.grad for sp in self._shards]
 
+    def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple[Any, ...]]]:
+        """For :func:`kiln.optim.clip_grad_norm_`: the full gradients (stage 0, replicated), or
+        this rank's shards, whose norms sum over the data-parallel group."""
+        if self.stage == 0:
+            return self.optimizer.grad_parts()
+        return [(self.flat_grads(), (self.group,) if self.world > 1 else ())]
+
     def mark_grads_ready(self) -> None:
         self.optimizer.mark_grads_ready()
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        """Clip by the global norm of the averaged gradients over all ranks (each rank reduces
-        its shard, one ``all_reduce`` of a scalar adds them up). Returns the total norm.
-        ``extra_group``: ranks holding other parameters of the same model (pipeline stages),
-        whose gradients count in the norm too."""
-        grads = self.flat_grads()
-        if self.stage == 0 and extra_group is None:
-            from kiln.optim import clip_grad_norm_
-
-            return clip_grad_norm_(self.optimizer, max_norm, norm_type, error_if_nonfinite)
-        device = grads[0].device if grads else torch.device("cpu")
-        p = float(norm_type)
-        if math.isinf(p):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
-            total = local.to(torch.promote_types(local.dtype, torch.float32))  # (a copy: reduced in place)
-            if self.world > 1 and self.stage > 0:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-            if extra_group is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=extra_group)
-        else:
-            parts = [torch.linalg.vector_norm(g, p, dtype=torch.promote_types(g.dtype, torch.float32)) ** p
-                 for g in grads]
-            total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
-            if self.world > 1 and self.stage > 0:  # stage 0: every rank holds the whole gradient
-                dist.all_reduce(total, group=self.group)
-            if extra_group is not None:
-                dist.all_reduce(total, group=extra_group)
-            total = total ** (1.0 / p)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -472,7 +446,8 @@ class ZeroOptimizer(Optimizer):
                     st["step"] = pk.step_vec[i].clone()
                 for name, views in full.items():
                     st[name] = views[i].clone()
-                state[index[id(p)]] = st
+                if st:  # as torch: no entry for a stateless update (SGD without momentum)
+                    state[index[id(p)]] = st
         sd["state"] = state
         return sd
 
