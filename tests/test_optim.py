@@ -229,7 +229,7 @@ def test_compiled_lamb_and_lars_match_eager_and_do_not_recompile_on_lr_change():
 
 
 # -- must-not-break ---------------------------------------------------------------------------
-def test_1_zero_grad_set_to_none_and_model_zero_grad_still_train():
+def test_zero_grad_set_to_none_and_model_zero_grad_still_train():
     ref, m1, m2 = make_model(), make_model(), make_model()
     o_ref = torch.optim.AdamW(ref.parameters(), foreach=False)
     o1, o2 = ko.AdamW(m1.parameters()), ko.AdamW(m2.parameters())
@@ -243,7 +243,7 @@ def test_1_zero_grad_set_to_none_and_model_zero_grad_still_train():
     assert w.grad.data_ptr() == arena.gviews[0].data_ptr()
 
 
-def test_1_gradient_assigned_outside_the_arena_is_copied_in():
+def test_gradient_assigned_outside_the_arena_is_copied_in():
     w = torch.nn.Parameter(torch.ones(4))
     opt = ko.SGD([w], lr=1.0)
     w.grad = torch.full((4,), 2.0)  # a new tensor, not the arena view
@@ -252,7 +252,7 @@ def test_1_gradient_assigned_outside_the_arena_is_copied_in():
     assert w.grad.data_ptr() == opt.arenas[0].grad.data_ptr()
 
 
-def test_2_half_and_to_after_construction_are_refused_then_relinked():
+def test_half_and_to_after_construction_are_refused_then_relinked():
     m = make_model()
     opt = ko.AdamW(m.parameters())
     train(m, opt, 2)
@@ -278,7 +278,7 @@ def _max_rel_params(ps1, ps2):
 
 
 @pytest.mark.parametrize("zero_name", ["optimizer.zero_grad", "model.zero_grad"])
-def test_2_load_state_dict_assign_warns_once_naming_the_fix_and_steps_like_torch(zero_name):
+def test_load_state_dict_assign_warns_once_naming_the_fix_and_steps_like_torch(zero_name):
     # after assign=True the model holds new Parameter objects and both optimizers the old ones:
     # torch then trains nothing (optimizer.zero_grad: the old grads are None) or re-applies the
     # old gradients (model.zero_grad clears only the new ones). kiln does the same, and warns once.
@@ -306,7 +306,7 @@ def test_2_load_state_dict_assign_warns_once_naming_the_fix_and_steps_like_torch
 
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("name,tcls,kcls,kw", TORCH_PAIRS, ids=[t[0] for t in TORCH_PAIRS])
-def test_2_step_without_a_new_gradient_does_what_torch_does(name, tcls, kcls, kw, contiguous):
+def test_step_without_a_new_gradient_does_what_torch_does(name, tcls, kcls, kw, contiguous):
     # step(); step() applies the update again on the same gradients; zero_grad(); step() skips
     # every parameter (torch: grad None); zero_grad(set_to_none=False); step() steps on zeros.
     # The first backward leaves the last layer without a gradient: it must stay out of repeats.
@@ -336,7 +336,7 @@ def test_2_step_without_a_new_gradient_does_what_torch_does(name, tcls, kcls, kw
     assert len(_stale_warnings(rec)) == (1 if contiguous else 0)
 
 
-def test_2_grad_scaler_skipped_step_is_not_a_step_without_gradient():
+def test_grad_scaler_skipped_step_is_not_a_step_without_gradient():
     m = make_model()
     opt = ko.AdamW(m.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
@@ -387,7 +387,7 @@ def test_step_hooks_and_profiler_still_see_kiln_steps():
     assert any(e.key == "Optimizer.step#AdamW.step" for e in prof.key_averages())
 
 
-def test_2_load_state_dict_without_assign_and_p_data_swap_keep_training():
+def test_load_state_dict_without_assign_and_p_data_swap_keep_training():
     m = make_model()
     opt = ko.SGD(m.parameters(), lr=0.1)
     sd = {k: v.clone() + 1 for k, v in m.state_dict().items()}
@@ -399,7 +399,7 @@ def test_2_load_state_dict_without_assign_and_p_data_swap_keep_training():
     assert not torch.equal(m[3].bias.detach(), torch.zeros(4))
 
 
-def test_3_dtypes_and_groups_with_own_lr_and_decay():
+def test_dtypes_and_groups_with_own_lr_and_decay():
     m = make_model()
     m[3].to(torch.float64)
     params = list(m.parameters())
@@ -423,7 +423,7 @@ def test_3_dtypes_and_groups_with_own_lr_and_decay():
     assert max_rel(m, ref) < 1e-6
 
 
-def test_4_frozen_and_unused_parameters_are_left_exactly_alone():
+def test_frozen_and_unused_parameters_are_left_exactly_alone():
     m = make_model()
     extra = torch.nn.Linear(4, 4)  # never used in forward: no gradient ever
     m[1].weight.requires_grad_(False)
@@ -448,7 +448,7 @@ def test_4_frozen_and_unused_parameters_are_left_exactly_alone():
     assert int(o2.state[m2[3].weight]["step"]) == 3 and int(o2.state[m2[0].weight]["step"]) == 4
 
 
-def test_5_tied_parameters_packed_and_updated_once():
+def test_tied_parameters_packed_and_updated_once():
     emb = torch.nn.Embedding(10, 8)
     head = torch.nn.Linear(8, 10, bias=False)
     head.weight = emb.weight
@@ -467,7 +467,7 @@ def test_5_tied_parameters_packed_and_updated_once():
     assert torch.allclose(emb.weight, ref_emb.weight, rtol=0, atol=1e-6)
 
 
-def test_6_grad_scaler_unscales_views_and_skips_non_finite_steps():
+def test_grad_scaler_unscales_views_and_skips_non_finite_steps():
     m, ref = make_model(), make_model()
     opt, ref_opt = ko.SGD(m.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1,
                                                                                momentum=0.9)
@@ -492,7 +492,7 @@ def test_6_grad_scaler_unscales_views_and_skips_non_finite_steps():
     assert max_rel(m, ref) < 1e-6
 
 
-def test_7_torch_clip_grad_norm_and_kiln_clip_grad_norm():
+def test_torch_clip_grad_norm_and_kiln_clip_grad_norm():
     m1, m2, ref = make_model(), make_model(), make_model()
     o1, o2 = ko.SGD(m1.parameters(), lr=0.1), ko.SGD(m2.parameters(), lr=0.1)
     oref = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -507,7 +507,7 @@ def test_7_torch_clip_grad_norm_and_kiln_clip_grad_norm():
     assert max_rel(m1, ref) < 1e-6 and max_rel(m2, ref) < 1e-6
 
 
-def test_8_lr_scheduler_is_honoured_every_step():
+def test_lr_scheduler_is_honoured_every_step():
     m1, m2 = make_model(), make_model()
     o1 = torch.optim.AdamW(two_groups(m1, lr=3e-3), lr=1e-2, foreach=False)
     o2 = ko.AdamW(two_groups(m2, lr=3e-3), lr=1e-2)
@@ -523,7 +523,7 @@ def test_8_lr_scheduler_is_honoured_every_step():
 
 @pytest.mark.parametrize("name,tcls,kcls,kw", [TORCH_PAIRS[0], TORCH_PAIRS[2], TORCH_PAIRS[3]],
                          ids=["sgd", "adam", "adamw"])
-def test_9_state_dict_moves_between_torch_and_kiln(name, tcls, kcls, kw):
+def test_state_dict_moves_between_torch_and_kiln(name, tcls, kcls, kw):
     ref, mk, mt = make_model(), make_model(), make_model()
     oref = tcls(two_groups(ref), foreach=False, **kw)
     ok_ = kcls(two_groups(mk), **kw)
@@ -551,7 +551,7 @@ def test_9_state_dict_moves_between_torch_and_kiln(name, tcls, kcls, kw):
     assert max_rel(ref, mt) < 1e-6 and max_rel(ref, mk2) < 1e-6 and max_rel(ref, mk) < 1e-6
 
 
-def test_10_zero_element_parameters():
+def test_zero_element_parameters():
     w = torch.nn.Parameter(torch.randn(3, 3))
     empty = torch.nn.Parameter(torch.randn(0, 5))
     for cls in (ko.SGD, ko.AdamW, ko.LAMB, ko.LARS):
