@@ -187,11 +187,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)  # checked here, before any process starts
         command = [args.config, *args.overrides]
     if "LOCAL_RANK" not in os.environ:
-        from kiln.train._ranks import check_layout
+        from kiln.train import check_layout
 
         check_layout(cfg, args.nproc)  # dp x tp x pp against --nproc, before any process starts
         if args.nproc > 1:
-            from kiln.train._build import check_model
+            from kiln.train import check_model
 
             check_model(cfg)  # on the meta device: what the model allows, before any process starts
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -201,7 +201,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # elastic restart), the restarted processes continue from it.
     shared = os.environ.get("KILN_RUN_DIR")
     if run_dir is None and shared:
-        from kiln.train._checkpoint import has_checkpoint
+        from kiln.train import has_checkpoint
 
         run_dir = Path(shared) if has_checkpoint(Path(shared)) else None
     if "LOCAL_RANK" in os.environ:
@@ -235,7 +235,7 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from kiln.train._run_dir import RunDir
+    from kiln.train import RunDir
 
     if run_dir is None:
         run_dir = RunDir.create(output_dir, name).path  # named here, so every restart finds it
@@ -274,7 +274,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise _UsageError(f"--nproc {args.nproc} must be at least 1")
-        from kiln.train._ranks import check_layout
+        from kiln.train import check_layout
 
         check_layout(cfg, args.nproc)  # the same checks as kiln train --nproc N
     print(describe(cfg, args.nproc))
@@ -293,7 +293,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from kiln.train._report import check_runs, plot, table
+    from kiln.train.report import check_runs, plot, table
 
     try:
         runs = check_runs(args.runs)
@@ -318,8 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    from kiln.config import ConfigError
-    from kiln.train._checkpoint import CheckpointError
+    from kiln.errors import ConfigError
+    from kiln.errors import CheckpointError
 
     try:
         return args.func(args)

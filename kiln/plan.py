@@ -21,30 +21,14 @@ def _mb(n_bytes: float) -> str:
 def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
     """The largest share of parameters, gradients and optimizer state any rank holds in the
     config's dp x tp x pp layout (ZeRO dividing over dp), from parameter names alone."""
-    from kiln.parallel._mesh import resolve_layout
+    from kiln.parallel import check_parallel_config, stage_elements
 
-    layout = resolve_layout(cfg.parallel, world)
+    layout = check_parallel_config(cfg, world)
     par = cfg.parallel
     params = list(model.named_parameters())
-    if layout.tp > 1 or layout.pp > 1:
-        # the family's plans say which parameters split over tp and which stage holds each
-        from kiln.parallel._pp import _num_stages, stage_of_parameters, stage_ranges
-        from kiln.parallel._tp import tp_sharded_names
-
-        sharded = (tp_sharded_names(model, layout.tp, sequence_parallel=par.sequence_parallel)
-                   if layout.tp > 1 else set())
-        owner: dict[str, int] = {}
-        if layout.pp > 1:
-            from kiln.models import repeated_blocks
-
-            n_stages = _num_stages(layout.pp, par.pp_schedule, 2)
-            depth = len(repeated_blocks(model))
-            owner = stage_of_parameters(model, stage_ranges(depth, n_stages, par.pp_stages))
-        stages = [0] * layout.pp  # elements per pp rank (stage s runs on pp rank s % pp)
-        for fqn, p in params:
-            stages[owner.get(fqn, 0) % layout.pp] += p.numel() // layout.tp if fqn in sharded else p.numel()
-    else:
-        stages = [sum(p.numel() for _, p in params)]
+    # the family's plans say which parameters split over tp and which stage holds each
+    stages = stage_elements(model, layout, sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
+                            pp_stages=par.pp_stages)
     elems = max(stages)
     size = params[0][1].element_size() if params else 4
     state = _STATE_TENSORS[cfg.optim.name] if not (cfg.optim.name == "sgd" and not cfg.optim.momentum) else 0
@@ -62,7 +46,10 @@ def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
 
 def describe(cfg: Any, world: int | None = None) -> str:
     """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x pp)."""
-    from kiln.train._build import build_model, check_model
+    from kiln.parallel import check_parallel_config
+    from kiln.train import build_model, check_model
+
+    check_parallel_config(cfg)  # the layout's needs from the model, as kiln train checks them
 
     with torch.device("meta"):
         model = build_model(cfg.model)

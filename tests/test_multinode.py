@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.parallel._testing import free_port
+from kiln.parallel.testing import free_port
 from kiln.train import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kiln.optim
 from kiln.models import create_model
 from kiln.parallel import Layout, ZeroOptimizer, parallelize
-from kiln.parallel._testing import run_distributed
+from kiln.parallel.testing import run_distributed
 
 STEPS, BATCH, SEQ, M = 3, 8, 16, 4
 MODEL = dict(dim=32, depth=4, heads=4, seq_len=SEQ)

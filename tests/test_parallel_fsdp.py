@@ -19,7 +19,7 @@ from torch import nn
 import kiln.models
 import kiln.optim as ko
 from kiln.parallel import ZeroOptimizer, all_reduce_gradients, apply_fsdp, clip_grad_norm_, load_sharded, save_sharded
-from kiln.parallel._testing import run_distributed
+from kiln.parallel.testing import run_distributed
 
 ARCH = dict(depth=2, dim=32, heads=2)
 BATCH = 8

@@ -28,7 +28,7 @@ import kiln.models
 from kiln.models import ParallelPlan, PipelinePlan, TensorParallelPlan, create_model, list_models
 from kiln.models import _registry
 from kiln.models._plan import check_tp_divides
-from kiln.parallel._testing import run_distributed
+from kiln.parallel.testing import run_distributed
 
 # The module and option names of kiln's models (transformer.py, gpt.py, bert.py, vit.py, mlp.py,
 # encoder.py) that a parallel layer hard-coding a family would spell: "blocks" included (FSDP asks
@@ -224,20 +224,20 @@ def toy(monkeypatch):
 
 
 def test_toy_family_capabilities_come_from_its_plan(toy):
-    from kiln.config import ConfigError
-    from kiln.config._load import validate
+    from kiln.config import ConfigError, validate
+    from kiln.parallel import check_parallel_config
 
     assert toy in kiln.models.models_with("tp") and toy in kiln.models.models_with("pp")
     base = {"model": {"name": toy}, "train": {"max_steps": 1}, "data": {"name": "synthetic_tokens"}}
-    validate({**base, "parallel": {"tp": 2, "pp": 2}})  # accepted: the plan makes it splittable
+    check_parallel_config(validate({**base, "parallel": {"tp": 2, "pp": 2}}))  # accepted: the plan makes it splittable
     with pytest.raises(ConfigError,
                        match=r"parallel.tp=3 does not divide model.hidden=32; choose tp in \{1, 2, 4, 8, 16\}"):
-        validate({**base, "parallel": {"tp": 3}})
+        check_parallel_config(validate({**base, "parallel": {"tp": 3}}))
     with pytest.raises(ConfigError, match=r"model.tie=true ties .* set model.tie=false"):
-        validate({**base, "model": {"name": toy, "tie": True}, "parallel": {"pp": 2}})
+        check_parallel_config(validate({**base, "model": {"name": toy, "tie": True}, "parallel": {"pp": 2}}))
     with pytest.raises(ConfigError, match=r"parallel.tp=2 needs a model family that registers a tensor-parallel plan "
                                           r"\(_toy, bert, gpt\); model 'vit' has none"):
-        validate({**base, "model": {"name": "vit"}, "parallel": {"tp": 2}})
+        check_parallel_config(validate({**base, "model": {"name": "vit"}, "parallel": {"tp": 2}}))
 
 
 def test_toy_family_sharded_set_and_stages_come_from_its_plan(toy):

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import kiln.optim as ko
 from kiln.models import create_model
 from kiln.parallel._pp import build_pipeline, check_pipeline, cut_stage, stage_ranges
-from kiln.parallel._testing import run_distributed
+from kiln.parallel.testing import run_distributed
 from kiln.parallel._zero import all_reduce_gradients
 
 STEPS, BATCH, MICRO, SEQ, DEPTH = 3, 8, 4, 16, 4

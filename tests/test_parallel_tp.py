@@ -18,7 +18,7 @@ from torch import nn
 import kiln.models
 import kiln.optim as ko
 from kiln.data._text import mask_tokens
-from kiln.parallel._testing import run_distributed
+from kiln.parallel.testing import run_distributed
 from kiln.parallel._tp import check_tp
 
 ARCH = dict(dim=32, depth=2, heads=4, seq_len=16, vocab_size=256, dropout=0.0)

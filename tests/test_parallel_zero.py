@@ -16,7 +16,7 @@ from torch import nn
 import kiln.optim as ko
 from kiln.parallel import (ZeroOptimizer, all_reduce_gradients, broadcast_parameters, init_distributed, is_main,
                            rank, world_size)
-from kiln.parallel._testing import run_distributed
+from kiln.parallel.testing import run_distributed
 
 STEPS, BATCH, ACCUM = 5, 16, 2
 OPTS = {

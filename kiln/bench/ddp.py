@@ -4,7 +4,7 @@
 Both sides train the same global batch for the same number of steps, with kiln's AdamW
 (arena) and the trainer's per-step order: forward, backward, ``all_reduce_gradients``,
 step, zero_grad. Each process joins a gloo group on 127.0.0.1 with one intra-op thread
-(``kiln.parallel._testing.run_distributed``); the 1-process side runs in the same harness,
+(``kiln.parallel.testing.run_distributed``); the 1-process side runs in the same harness,
 where the all-reduce is a no-op. Reported:
 
 - samples/s = global batch x timed steps / wall time between two barriers (rank 0's clock);
@@ -125,7 +125,7 @@ def _train_steps(rank: int, world: int, model_name: str, steps: int, warmup: int
 
 
 def _measure(names: tuple[str, ...], steps: int, warmup: int, rounds: int) -> list[dict[str, Any]]:
-    from kiln.parallel._testing import run_distributed
+    from kiln.parallel.testing import run_distributed
 
     per_round: dict[str, dict[int, list[dict[str, Any]]]] = {name: {1: [], 2: []} for name in names}
     for _ in range(rounds):

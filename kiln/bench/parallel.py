@@ -1,12 +1,12 @@
 """``kiln bench parallel``: a LiBai-style table of ``dp x tp x pp`` layouts for GPT and BERT.
 
 One row per (model, layout) for the layouts 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x1, 2x1x2, 1x2x2
-(dp x tp x pp), laid out by :func:`kiln.parallel._layout.parallelize` and trained with kiln's
+(dp x tp x pp), laid out by :func:`kiln.parallel.parallelize` and trained with kiln's
 AdamW (fp32; arena when the layout allows it, multi-tensor over DTensor shards under tp) and
 the trainer's order: forward + backward (the 1F1B schedule over ``MICROBATCHES`` micro-batches
 when pp > 1), ``reduce_gradients`` over dp, ``step``, ``zero_grad``. Each layout runs in a
 spawned gloo group of dp*tp*pp processes with one intra-op thread each
-(``kiln.parallel._testing.run_distributed``); layouts with the same number of ranks share one
+(``kiln.parallel.testing.run_distributed``); layouts with the same number of ranks share one
 group and run one after the other, both models each, every run on freshly built meshes and
 from freed memory (starting processes and importing torch, DTensor and pipelining costs more
 than a quick run's steps).
@@ -212,8 +212,7 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
 
     import kiln.optim
     from kiln.models import create_model
-    from kiln.parallel._layout import parallelize
-    from kiln.parallel._mesh import Layout
+    from kiln.parallel import Layout, parallelize
 
     rss_start = rss.restart()
     clock = [time.perf_counter()]
@@ -348,7 +347,7 @@ def _bubbles(ranks: list[dict[str, Any]]) -> list[float]:
 
 
 def _measure(models: tuple[str, ...], layouts: list[tuple[int, int, int]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    from kiln.parallel._testing import run_distributed
+    from kiln.parallel.testing import run_distributed
 
     # One spawned group per number of ranks, running its layouts one after the other: starting
     # processes and importing torch, DTensor and pipelining there costs more than a quick run's

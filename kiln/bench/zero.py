@@ -161,7 +161,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    from kiln.parallel._testing import run_distributed
+    from kiln.parallel.testing import run_distributed
 
     width, depth = (QUICK_WIDTH, QUICK_DEPTH) if quick else (WIDTH, DEPTH)
     steps = 2 if quick else 4

@@ -226,9 +226,9 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         if stopping["patience"] < 1:
             raise ConfigError(f"train.early_stopping.patience={stopping['patience']} must be at least 1")
     if "tensorboard" in train["loggers"]:
-        from kiln.train._callbacks import tensorboard_available
+        import importlib.util
 
-        if not tensorboard_available():
+        if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.loggers includes tensorboard, but the tensorboard package is not installed; "
                               "pip install 'kiln[tensorboard]' or remove it from train.loggers")
     if train["precision"] == "bf16-true" and not cfg["optim"]["contiguous"]:
@@ -251,78 +251,6 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"parallel.timeout_s={cfg['parallel']['timeout_s']} must be positive")
 
 
-def check_parallel_model(cfg: Any, micro_batch: int | None = None) -> None:
-    """Checks of the tensor- and pipeline-parallel settings against the model and the batch,
-    before anything is built. ``cfg`` is a config tree (dict or DictConfig); ``micro_batch`` is
-    the samples each data-parallel rank gets per micro-step, when the world size is known."""
-    par, train, model = cfg["parallel"], cfg["train"], cfg["model"]
-    tp, pp = par["tp"], par["pp"]
-    for key in ("tp", "pp"):
-        if par[key] < 1:
-            raise ConfigError(f"parallel.{key}={par[key]} must be at least 1")
-    if tp == 1 and par["sequence_parallel"]:
-        raise ConfigError("parallel.sequence_parallel=true shards along the sequence between tensor-parallel "
-                          "ranks; it needs parallel.tp > 1")
-    if tp == 1 and pp == 1:
-        return
-    from kiln.models import model_plan, models_with
-
-    name = model.get("name")  # set only for registry models (see _validate_model)
-    plan = model_plan(name) if name else None
-    # what a layout needs is a capability of the family's registered parallel plan
-    for key, size, cap, what in (("tp", tp, "tp", "a tensor-parallel"), ("pp", pp, "pp", "a pipeline")):
-        if size > 1 and (plan is None or cap not in plan.capabilities):
-            model_is = f"model {name!r}" if name else f"model._target_={model.get('_target_')!r}"
-            raise ConfigError(f"parallel.{key}={size} needs a model family that registers {what} plan "
-                              f"({', '.join(models_with(cap)) or 'none is registered'}); {model_is} has none. Use one "
-                              f"of those, or parallel.{key}=1 (data parallel, ZeRO and FSDP2 work with any model)")
-    if tp > 1 and par["zero"] in (1, 2):
-        raise ConfigError(f"parallel.zero={par['zero']} shards kiln's flat arena, which cannot hold tensor-parallel "
-                          f"(DTensor) parameters; with parallel.tp={tp} use parallel.zero=3 (FSDP2 over the "
-                          "data-parallel ranks) or parallel.zero=0")
-    if pp > 1 and train["precision"] == "fp16-mixed":
-        raise ConfigError("train.precision=fp16-mixed scales the loss before backward, which a pipeline schedule "
-                          f"runs itself; with parallel.pp={pp} use train.precision=bf16-mixed (no loss scaling needed)")
-    if (tp > 1 or pp > 1) and train["precision"] == "bf16-true":
-        raise ConfigError(f"train.precision=bf16-true keeps fp32 master weights mirroring kiln's flat arena, which "
-                          f"parallel.tp={tp} / parallel.pp={pp} runs do not use for all of the model; use "
-                          "train.precision=bf16-mixed")
-    if pp > 1 and train["compile"]:
-        raise ConfigError(f"train.compile=true with parallel.pp={pp} is not supported: pipeline stages run their "
-                          "own forward; set train.compile=false")
-    model_cfg = _model_options(model)
-    if tp > 1:
-        from kiln.parallel._tp import check_tp
-
-        try:
-            check_tp(model_cfg, tp, sequence_parallel=par["sequence_parallel"])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if pp > 1:
-        from kiln.parallel._pp import check_pipeline
-
-        if plan.pp.ties(model_cfg):
-            tie = plan.pp.tied_by
-            raise ConfigError(f"model.{tie}=true ties a weight of the first pipeline stage to one of the last "
-                              f"(the input embedding to the output layer), which parallel.pp={pp} puts on different "
-                              f"ranks; set model.{tie}=false")
-        microbatches = par["microbatches"] or 2 * pp
-        try:
-            # before the world size is known, only what does not depend on the batch per rank
-            check_pipeline(plan.pp.depth(model_cfg), pp, par["pp_schedule"], microbatches,
-                           micro_batch if micro_batch is not None else microbatches, sizes=par["pp_stages"])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-
-
-def _model_options(model: Any) -> Any:
-    """The model's dataclass config, from the validated ``model`` namespace."""
-    from kiln.models import model_config_class
-
-    cls = model_config_class(model["name"])
-    return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls) if f.name in model})
-
-
 def validate(tree: dict[str, Any]) -> dict[str, Any]:
     """Return a complete, typed config tree (defaults filled in) or raise ConfigError."""
     for name in tree:
@@ -338,7 +266,6 @@ def validate(tree: dict[str, Any]) -> dict[str, Any]:
         out[name] = coerce_dataclass(given, cls, name)
     _validate_data(out["data"])
     _validate_cross(out)
-    check_parallel_model(out)
     return out
 
 

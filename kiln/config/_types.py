@@ -9,8 +9,7 @@ import typing
 from typing import Any, Literal, Union
 
 
-class ConfigError(ValueError):
-    """A config that cannot be used: the message names the key, the problem and the fix."""
+from kiln.errors import ConfigError  # re-exported: kiln.config.ConfigError
 
 
 def type_name(tp: Any) -> str:

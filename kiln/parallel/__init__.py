@@ -16,7 +16,9 @@
 - :func:`clip_grad_norm_` (``kiln.optim.clip_grad_norm_``): the global norm over any mix of
   plain, arena, ZeRO-shard, tensor-parallel and FSDP2 gradients and pipeline stages.
 - :class:`Layout` and :func:`parallelize`: a model laid out over ``dp x tp x pp`` ranks in one
-  call (stages, then tensor parallel, then FSDP2 over dp), as the trainer does it.
+  call (stages, then tensor parallel, then FSDP2 over dp), as the trainer does it;
+  :func:`check_parallel_config`: a config's layout checked against its model and batch
+  before anything is built.
 - :func:`save_sharded` / :func:`load_sharded`: DCP checkpoints keyed per parameter (FQN) that
   load at any world size into plain, ZeRO-1/2 or FSDP2 runs.
 
@@ -31,10 +33,12 @@ from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_p
 from kiln.optim import clip_grad_norm_  # the one global-norm clip, for every layout's gradients
 
 # FSDP2 and DCP take most of a second to import: loaded when first used, not by every trainer.
-_LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp",
-         "check_tp": "_tp", "build_pipeline": "_pp", "check_pipeline": "_pp", "parallelize": "_layout",
-         "Layout": "_mesh",
-         "save_sharded": "_checkpoint", "load_sharded": "_checkpoint"}
+_LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp", "check_tp": "_tp",
+         "build_pipeline": "_pp", "check_pipeline": "_pp", "parallelize": "_layout", "Parallel": "_layout",
+         "stage_elements": "_layout", "Layout": "_mesh", "resolve_layout": "_mesh", "build_mesh": "_mesh",
+         "check_parallel_config": "_checks",
+         "save_sharded": "_checkpoint", "load_sharded": "_checkpoint", "read_sharded": "_checkpoint",
+         "check_sharded": "_checkpoint", "META_FILE": "_checkpoint"}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,5 +51,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "broadcast_parameters", "all_reduce_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
-           "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Layout",
-           "save_sharded", "load_sharded"]
+           "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Parallel",
+           "stage_elements", "Layout", "resolve_layout", "build_mesh", "check_parallel_config",
+           "save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]

@@ -30,7 +30,7 @@ from torch import nn
 
 from kiln.parallel._mesh import Layout, build_mesh
 
-__all__ = ["Parallel", "parallelize"]
+__all__ = ["Parallel", "parallelize", "stage_elements"]
 
 
 class Parallel:
@@ -190,3 +190,27 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
 
         view = _RankView(pipeline.stages, _pp_plan(model, plan))
     return Parallel(view, layout, zero=zero, mesh=mesh, pipeline=pipeline, loss_parallel=loss_parallel)
+
+
+def stage_elements(model: nn.Module, layout: Layout, *, sequence_parallel: bool = False, pp_schedule: str = "1f1b",
+                   pp_stages: list[int] | None = None) -> list[int]:
+    """Parameter elements each pipeline rank of ``layout`` holds of ``model`` (which may be on
+    the ``meta`` device), after tensor-parallel splitting and before any sharding over dp, from
+    the family's registered plan alone: for planning memory without building anything."""
+    params = list(model.named_parameters())
+    if layout.tp == 1 and layout.pp == 1:
+        return [sum(p.numel() for _, p in params)]
+    from kiln.parallel._pp import _num_stages, stage_of_parameters, stage_ranges
+    from kiln.parallel._tp import tp_sharded_names
+
+    sharded = tp_sharded_names(model, layout.tp, sequence_parallel=sequence_parallel) if layout.tp > 1 else set()
+    owner: dict[str, int] = {}
+    if layout.pp > 1:
+        from kiln.models import repeated_blocks
+
+        n_stages = _num_stages(layout.pp, pp_schedule, 2)
+        owner = stage_of_parameters(model, stage_ranges(len(repeated_blocks(model)), n_stages, pp_stages))
+    stages = [0] * layout.pp  # stage s runs on pp rank s % pp
+    for fqn, p in params:
+        stages[owner.get(fqn, 0) % layout.pp] += p.numel() // layout.tp if fqn in sharded else p.numel()
+    return stages

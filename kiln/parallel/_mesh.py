@@ -56,7 +56,7 @@ def resolve_layout(parallel: Any, world: int) -> Layout:
     ``parallel.dp=None`` takes what tp and pp leave. Raises ``ConfigError`` naming the numbers
     when they do not multiply to ``world``.
     """
-    from kiln.config import ConfigError
+    from kiln.errors import ConfigError
 
     tp, pp = parallel.tp, parallel.pp
     for key, value in (("tp", tp), ("pp", pp)):

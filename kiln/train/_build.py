@@ -25,7 +25,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from kiln.config import ConfigError
+        from kiln.errors import ConfigError
 
         raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
     return torch.device(name)
@@ -53,7 +53,7 @@ def check_model(cfg: Any, model: nn.Module | None = None) -> None:
     mode = cfg.train.activation_checkpointing
     if mode == "none":
         return
-    from kiln.config import ConfigError
+    from kiln.errors import ConfigError
     from kiln.memory import apply_ac
 
     if model is None:
@@ -90,7 +90,7 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
     rank and the number of them (tensor-parallel and pipeline ranks of one replica share its
     data), ``accumulate``: micro-batches per step per rank. ``data.batch_size`` is the global
     batch of one step: see :class:`kiln.data.StepSampler`."""
-    from kiln.config import ConfigError
+    from kiln.errors import ConfigError
     from kiln.data import build_dataset, build_loader
 
     splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln.errors import CheckpointError, ConfigError
+
 # Keys that may differ between a run's config and its checkpoint on resume: they change how long
 # or how visibly the run goes on, or how it is laid out over processes, never what it computes.
 RESUMABLE_CHANGES = (
@@ -59,8 +61,6 @@ def _rng_file(rank: int) -> str:
     return f"rng-{rank:05d}.pt"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names it and what to do."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -111,9 +111,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     trainer's non-tensor state, JSON) is rank 0's; every rank adds its own RNG states."""
     import torch.distributed as dist
 
-    from kiln.parallel._checkpoint import (
-        save_sharded,  # DCP: imported at the first save
-    )
+    from kiln.parallel import save_sharded  # DCP: imported at the first save
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return save_sharded(path, model, optimizer, extra=state, masters=named_masters(model, precision),
@@ -123,7 +121,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> None:
     """Load a checkpoint's model, optimizer and master weights into this run, whatever its
     layout: a collective; each rank reads the parts it holds."""
-    from kiln.parallel._checkpoint import load_sharded
+    from kiln.parallel import load_sharded
 
     load_sharded(path, model, optimizer, masters=named_masters(model, precision))
 
@@ -135,7 +133,7 @@ def read_state(path: Path) -> dict[str, Any]:
     """The trainer's state in checkpoint ``path`` (step, data position, scheduler, ..., and
     ``rng``: every rank's RNG states, in rank order), after checking that the directory is
     complete; a CheckpointError naming it otherwise. Reads no tensor data."""
-    from kiln.parallel._checkpoint import check_sharded
+    from kiln.parallel import check_sharded
 
     try:
         meta = check_sharded(path)
@@ -169,7 +167,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             raise CheckpointError(f"{path} is not a kiln checkpoint (no model state or step)")
         return state
     state = read_state(path)
-    from kiln.parallel._checkpoint import read_sharded
+    from kiln.parallel import read_sharded
 
     try:
         tensors, meta = read_sharded(path)
@@ -206,7 +204,7 @@ def _candidates(run_dir: Path) -> list[Path]:
     final = run_dir / "checkpoints" / "final"
     if final.is_dir():
         try:
-            from kiln.parallel._checkpoint import META_FILE
+            from kiln.parallel import META_FILE
 
             step = float(json.loads((final / META_FILE).read_text())["extra"]["step"])
         except Exception:
@@ -293,8 +291,6 @@ def prune(run_dir: Path, keep: int) -> None:
 def checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
     """The checkpoint to continue ``run_dir`` from and its trainer state, after checking that
     it matches ``cfg``."""
-    from kiln.config import ConfigError
-
     path, state = latest(run_dir)
     mismatch = config_mismatch(state.get("config") or {}, plain(cfg))
     if mismatch:

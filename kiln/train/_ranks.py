@@ -9,30 +9,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kiln.parallel._mesh import Layout
+    from kiln.parallel import Layout
 
 
 def check_layout(cfg: Any, world: int) -> "Layout":
     """The dp x tp x pp layout of ``world`` processes, checked against the batch and the model
     before anything is built; raises ConfigError naming the numbers."""
-    from kiln.config import ConfigError
-    from kiln.parallel._mesh import resolve_layout
+    from kiln.parallel import check_parallel_config
 
-    layout = resolve_layout(cfg.parallel, world)
-    per_rank = layout.dp * cfg.train.accumulate
-    if cfg.data.batch_size % per_rank:
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp={layout.dp} x "
-            f"train.accumulate={cfg.train.accumulate}; each data-parallel rank needs a whole micro-batch"
-        )
-    from kiln.config._load import check_parallel_model
-
-    check_parallel_model(cfg, micro_batch=cfg.data.batch_size // per_rank)
-    return layout
-
-
-def data_parallel_size(cfg: Any, world: int) -> int:
-    return check_layout(cfg, world).dp
+    return check_parallel_config(cfg, world)
 
 
 def broadcast_path(path: Path | None) -> Path:

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import kiln
-from kiln.config import ConfigError, save_config
-from kiln.parallel import ZeroOptimizer, broadcast_parameters, init_distributed
-from kiln.parallel._layout import Parallel, parallelize
+from kiln._version import __version__
+from kiln.config import save_config
+from kiln.errors import ConfigError
+from kiln.parallel import Parallel, ZeroOptimizer, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
 from kiln.train._build import (
@@ -218,7 +218,7 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         save_config(cfg, out.path / CONFIG)
         out.write_summary(
             status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
-            kiln_version=kiln.__version__, torch_version=torch.__version__, device=str(device),
+            kiln_version=__version__, torch_version=torch.__version__, device=str(device),
             parameters=n_params, total_steps=total_steps,
         )
     else:

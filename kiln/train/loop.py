@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-import kiln
+from kiln._version import __version__
 from kiln.train._batches import Step
 from kiln.train._checkpoint import plain, prune, save_checkpoint
 from kiln.train._plot import plot_loss
@@ -197,7 +197,7 @@ def checkpoint(run: Run, name: str, step: int) -> None:
         "best": run.best.state_dict() if run.best else None,
         "data": {"epoch": run.batches.epoch, "step": run.batches.step},  # steps: the same in any layout
         **run.meter.state_dict(),
-        "config": plain(run.cfg), "kiln_version": kiln.__version__,
+        "config": plain(run.cfg), "kiln_version": __version__,
     })
 
 

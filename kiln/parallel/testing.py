@@ -1,6 +1,6 @@
 """Run a function in N gloo processes on this machine (tests and benchmarks).
 
-    >>> from kiln.parallel._testing import run_distributed
+    >>> from kiln.parallel.testing import run_distributed
     >>> def fn(rank, world):            # must be importable: defined at module level
     ...     return rank * 10
     >>> run_distributed(fn, 2)          # doctest: +SKIP
