@@ -1,19 +1,20 @@
 """Smoke test of ``kiln bench ddp --quick``: both models measured at 1 and 2 processes,
-JSON and chart written, every number positive."""
+JSON and chart written, the rows' arithmetic consistent."""
 
 from __future__ import annotations
 
 import json
-import time
+
+import pytest
 
 from kiln.bench import BENCHMARKS, run_benchmark
+
+pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
 
 
 def test_ddp_benchmark_quick_writes_positive_numbers(tmp_path):
     assert "ddp" in BENCHMARKS
-    start = time.monotonic()
     report = run_benchmark("ddp", tmp_path, quick=True)
-    elapsed = time.monotonic() - start
     assert json.loads((tmp_path / "ddp.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "ddp.png").stat().st_size > 0
     assert [r["model"] for r in report["rows"]] == ["vit", "gpt"]
@@ -23,5 +24,3 @@ def test_ddp_benchmark_quick_writes_positive_numbers(tmp_path):
             assert row[key] > 0, (row["model"], key, row[key])
         assert row["efficiency"] == row["samples_per_s_2"] / (2 * row["samples_per_s_1"])
         assert row["global_batch"] > 0 and row["steps"] == report["setup"]["steps"]
-    # two spawned groups (1 and 2 processes), a couple of steps each
-    assert elapsed < 60, elapsed

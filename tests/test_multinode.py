@@ -5,6 +5,7 @@ named by ``KILN_RUN_DIR``, and the weights match a one-process run of the same c
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
@@ -17,6 +18,8 @@ import torch
 
 from kiln.parallel.testing import free_port
 from kiln.train import load_checkpoint
+
+pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "configs" / "gpt_tiny.py")
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")

@@ -192,6 +192,7 @@ def test_bf16_true_needs_the_arena(tmp_path, capsys):
     assert "optim.contiguous=true" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, workers", [("fp32", 0), ("fp32", 2), ("bf16-true", 0), ("fp16-mixed", 0)])
 def test_resume_from_a_middle_checkpoint_reproduces_the_run(tmp_path, precision, workers):
     # data.batch_size=128: 11 batches per epoch, so step 5 is mid-epoch and step 20 in the next one

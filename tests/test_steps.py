@@ -118,6 +118,7 @@ def test_a_batch_plan_that_leaves_an_empty_micro_batch_is_refused_before_trainin
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_a_resume_with_other_accumulation_continues_the_same_training(tmp_path):
     whole = _run(tmp_path, "whole", "train.max_steps=14")
     part = _run(tmp_path, "part", "train.max_steps=6")  # stops mid-epoch (step 2 of epoch 1)

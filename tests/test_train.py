@@ -56,6 +56,7 @@ def test_run_directory_is_complete(tmp_path, capsys):
     assert "step 30/30" in out  # plain progress lines when stdout is not a terminal
 
 
+@pytest.mark.slow
 def test_rerun_from_saved_config_is_bitwise_identical(tmp_path):
     first = _train(tmp_path, VIT, "train.max_steps=12", "model.depth=1", "train.log_every=4", "model.dropout=0.1")
     second = _train(tmp_path, str(first / "config.yaml"))
@@ -166,6 +167,7 @@ def _final(run: Path) -> dict:
     return load_checkpoint(run / "checkpoints" / "final")["model"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_switch_trains_bitwise_identically(tmp_path, mode):
     common = (VIT, "model.depth=3", "model.dropout=0.1", "train.max_steps=5")
