@@ -76,10 +76,8 @@ def _worker(rank: int, world: int, width: int, depth: int, steps: int) -> list[d
             zero.step()
             zero.zero_grad()
             times.append(time.perf_counter() - t0)
-        packs = opt._packs
-        shards = zero._shards
-        grads = [pk.arena.grad for pk in packs] + [sp.arena.grad for sp in shards]
-        state = [b for pk in list(packs) + list(shards) for b in pk.state.values()]
+        grads = [a.grad for a in opt.arenas] + [s.grad for s in zero.shards]
+        state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]  # views of flat buffers
         n_params = sum(p.numel() for p in model.parameters())
         rows.append({
             "dp": world, "stage": stage, "rank": rank, "n_params": n_params,

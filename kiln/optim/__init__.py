@@ -19,12 +19,12 @@ tensor instead of a Python loop over hundreds.
 multi-tensor (``torch._foreach_*``) kernels, for FSDP2 / DTensor parameters.
 """
 
-from kiln.optim._arena import Arena, ArenaSlice, arena_layout
+from kiln.optim._arena import Arena, ArenaSlice, Piece, arena_layout
 from kiln.optim._base import ArenaOptimizer
 from kiln.optim._clip import clip_grad_norm_
 from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 
 OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "lamb": LAMB, "lars": LARS}
 
-__all__ = ["Arena", "ArenaSlice", "arena_layout", "ArenaOptimizer", "SGD", "Adam", "AdamW", "LAMB", "LARS",
+__all__ = ["Arena", "ArenaSlice", "Piece", "arena_layout", "ArenaOptimizer", "SGD", "Adam", "AdamW", "LAMB", "LARS",
            "OPTIMIZERS", "clip_grad_norm_"]

@@ -27,11 +27,11 @@ Legend: N = padded arena length, S = number of segments (parameters).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Arena", "ArenaSlice", "arena_layout"]
+__all__ = ["Arena", "ArenaSlice", "Piece", "arena_layout"]
 
 ALIGN_BYTES = 64
 
@@ -147,18 +147,31 @@ class Arena:
 
 
 
+class Piece(NamedTuple):
+    """The part of one parameter that an :class:`ArenaSlice` holds: elements ``[start, stop)``
+    of the flattened parameter, found at ``offset`` in the slice's buffers. ``index`` is the
+    parameter's segment in the parent arena. The one record of where a parameter lies in a shard:
+    optimizer state dicts and sharded checkpoints read it from here."""
+
+    index: int
+    start: int
+    stop: int
+    offset: int
+
+
 class ArenaSlice:
     """The element range [lo, hi) of an :class:`Arena`, laid out like an arena of its own, so
-    that an optimizer's flat update runs on it unchanged (ZeRO: the rank's shard).
+    that an optimizer's flat update runs on it unchanged (ZeRO: the rank's shard, see
+    :meth:`kiln.optim.ArenaOptimizer.shard`).
 
-    A range cuts through parameter tensors; each parameter it touches becomes one *piece*.
-    Piece k covers the range's part of that segment's padded extent (so the pieces tile
-    [0, hi - lo) with no gap), ``numels[k]`` counts only real elements, and ``pviews``,
-    ``gviews`` and :meth:`views` are 1-D views of those elements. ``shapes`` stay the whole
-    parameters' shapes (an optimizer reads them to tell 1-D tensors apart, e.g. LARS's
-    ``exclude_1d``), and ``seg_ids[k]`` is the piece's segment index in the parent arena.
-    Per-tensor statistics over pieces are partial: whoever owns the other ranges must add
-    theirs in (see ``_Pack.norm_reduce``).
+    A range cuts through parameter tensors; each parameter it touches becomes one
+    :class:`Piece` (``pieces``). Piece k covers the range's part of that segment's padded
+    extent (so the pieces tile [0, hi - lo) with no gap), ``numels[k]`` counts only real
+    elements, and ``pviews``, ``gviews`` and :meth:`views` are 1-D views of those elements.
+    ``shapes`` stay the whole parameters' shapes (an optimizer reads them to tell 1-D tensors
+    apart, e.g. LARS's ``exclude_1d``), and ``seg_ids[k]`` is the piece's segment index in the
+    parent arena. Per-tensor statistics over pieces are partial: whoever owns the other ranges
+    must add theirs in (the ``group`` of :meth:`~kiln.optim.ArenaOptimizer.shard`).
 
     Args:
         arena: the parent arena; ``param`` is a view of ``arena.param[lo:hi]``.
@@ -171,6 +184,8 @@ class ArenaSlice:
     >>> s = ArenaSlice(arena, *arena.shard(0, 2))     # [0, 32): all of w
     >>> s.seg_ids, s.numels, ArenaSlice(arena, 16, 48).numels
     ([0], [30], [14, 5])
+    >>> ArenaSlice(arena, 16, 48).pieces              # w's elements 16..29, then all of b
+    [Piece(index=0, start=16, stop=30, offset=0), Piece(index=1, start=0, stop=5, offset=16)]
     """
 
     def __init__(self, arena: Arena, lo: int, hi: int, grad: torch.Tensor | None = None) -> None:
@@ -185,21 +200,20 @@ class ArenaSlice:
         if self.grad.shape != (self.numel,):
             raise ValueError(f"grad must have shape ({self.numel},), got {tuple(self.grad.shape)}")
         bounds = arena._bounds
-        self.seg_ids: list[int] = []
-        self._pieces: list[tuple[int, int]] = []  # real elements of each piece, local coordinates
+        self.pieces: list[Piece] = []
         local_bounds: list[int] = []
         for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             if b <= lo or a >= hi or (a == b):
                 continue
-            data_end = a + arena.numels[k]
-            s, e = max(a, lo), min(data_end, hi)
-            self.seg_ids.append(k)
-            self._pieces.append((s - lo, max(s, e) - lo))
+            n = arena.numels[k]
+            start = min(max(a, lo), a + n) - a  # the piece's real elements (none if only padding)
+            self.pieces.append(Piece(k, start, max(start, min(a + n, hi) - a), max(a, lo) - lo))
             local_bounds.append(max(a, lo) - lo)
+        self.seg_ids = [pc.index for pc in self.pieces]
         self._bounds = local_bounds + [self.numel]
         self._starts = local_bounds
         self.shapes = [arena.shapes[k] for k in self.seg_ids]
-        self.numels = [e - s for s, e in self._pieces]
+        self.numels = [pc.stop - pc.start for pc in self.pieces]
         self.lengths = [b - a for a, b in zip(self._bounds[:-1], self._bounds[1:])]
         self.pviews = self.views(self.param)
         self.gviews = self.views(self.grad)
@@ -214,7 +228,7 @@ class ArenaSlice:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """1-D views of each piece's real elements in a (hi - lo,) buffer."""
-        return [flat[s:e] for s, e in self._pieces]
+        return [flat[pc.offset:pc.offset + pc.stop - pc.start] for pc in self.pieces]
 
     def __repr__(self) -> str:
         return (f"ArenaSlice([{self.lo}, {self.hi}) of {self.parent.numel}, {len(self.seg_ids)} pieces, "

@@ -60,7 +60,7 @@ from torch.optim.optimizer import (
     _global_optimizer_pre_hooks,
 )
 
-from kiln.optim._arena import Arena
+from kiln.optim._arena import Arena, ArenaSlice
 from kiln.optim._rules import TensorList
 
 _EAGER_ENV = "KILN_OPTIM_EAGER"
@@ -129,9 +129,13 @@ class _Pack:
         self.scratch_views: list[torch.Tensor] = []
         self.is1d = [len(s) <= 1 for s in arena.shapes]
         self.cache: dict[Any, Any] = {}  # per-optimizer constants of this arena (e.g. LARS masks)
-        # Over an ArenaSlice (a ZeRO shard) per-tensor norms are partial; ZeRO sets this to a
-        # collective (i, j, norms (2*(j-i),)) -> full norms. None over a whole arena.
+        # Over an ArenaSlice (a shard) per-tensor norms are partial: (i, j, norms (2*(j-i),))
+        # -> full norms, a collective (see ArenaOptimizer.shard). None over a whole arena.
         self.norm_reduce: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
+        # Sharded (ArenaOptimizer.shard): the pack over this rank's slice, which holds the state
+        # and is stepped; the whole pack keeps the parameters, gradients and step counts.
+        self.shard: _Pack | None = None
+        self.trainable = b""  # on a shard pack: which of the whole arena's segments step
 
     def set_uniform(self) -> None:
         steps = self.step_vec.tolist()
@@ -150,7 +154,7 @@ class ArenaOptimizer(Optimizer):
     """
 
     _has_step_state = True  # torch keeps state[p]['step'] for this optimizer
-    _per_tensor_norms = False  # the update needs per-tensor norms (LAMB, LARS): see _Pack.norm_reduce
+    _per_tensor_norms = False  # the update needs per-tensor norms (LAMB, LARS): see shard()
     _supports_complex = True  # complex parameters stepped as pairs of reals, as torch.optim does
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, contiguous: bool = True,
@@ -159,6 +163,8 @@ class ArenaOptimizer(Optimizer):
         self.shard_multiple = shard_multiple
         self._packs: list[_Pack] = []
         self._complex_packs: list[_Pack] = []
+        self._shards: list[_Pack] = []  # one per pack once sharded (shard())
+        self._shard_spec: tuple[int, int, Any, bool] | None = None  # rank, world, group, keep_full_grad
         self._built = False
         self._hooks: list[Any] = []
         self._flags = bytearray(1)
@@ -238,6 +244,10 @@ class ArenaOptimizer(Optimizer):
         parameters' new dtype and device)."""
         if not self.contiguous:
             return
+        if self._shards:
+            raise RuntimeError(
+                "kiln.optim: a sharded optimizer cannot be relinked (its shards are cut from the "
+                "arenas): build the optimizer (and ZeroOptimizer) again after moving or casting the model")
         sd = self.state_dict() if self._packs else None
         for h in self._hooks:
             h.remove()
@@ -252,6 +262,8 @@ class ArenaOptimizer(Optimizer):
             self.load_state_dict(sd)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._shards:
+            raise RuntimeError("kiln.optim: add_param_group() after shard(): add the group before sharding")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if not self._supports_complex and any(torch.is_complex(p) for p in group["params"]):
@@ -292,7 +304,13 @@ class ArenaOptimizer(Optimizer):
     def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple[Any, ...]]]:
         """``[(tensors, process groups)]``: the tensors that hold this optimizer's gradients on
         this rank and the groups over which their norms sum to the whole gradient's (see
-        :func:`kiln.optim.clip_grad_norm_`): the flat buffers, or each parameter's (local) grad."""
+        :func:`kiln.optim.clip_grad_norm_`): the flat buffers, or each parameter's (local) grad;
+        once sharded, the shards' gradients (what :meth:`step` reads), summed over the group."""
+        if self._shards:
+            _, world, group, _ = self._shard_spec  # type: ignore[misc]
+            if not _is_process_group(group):
+                raise TypeError("grad_parts() of a shard needs the process group of its shard() call")
+            return [([sp.arena.grad for sp in self._shards], (group,) if world > 1 else ())]
         if not self.contiguous:
             from kiln.optim._clip import param_grad_parts
 
@@ -309,16 +327,24 @@ class ArenaOptimizer(Optimizer):
                     self._flags[pk.s0 + i] = 1
         self._flags[-1] = 1
 
+    def union_received(self, all_reduce_max: Callable[[torch.Tensor], Any]) -> None:
+        """Agree with other replicas on which parameters received a gradient this step, so that
+        they all step the same ones: ``all_reduce_max`` gets the flags as a uint8 tensor (one
+        byte per parameter and one "any" byte, sharing memory with the optimizer's) and must
+        take their maximum over the replicas in place (``dist.all_reduce(t, op=MAX)``)."""
+        all_reduce_max(torch.frombuffer(self._flags, dtype=torch.uint8))
+
     # -- per-step checks ------------------------------------------------------------------
-    def _sync(self, check_fresh: bool) -> None:
+    def _sync(self, check_fresh: bool, grads: bool = True) -> None:
         """Make the arena authoritative again (see the module docstring). O(params) but only
-        an identity test and a pointer comparison each in the common case."""
+        an identity test and a pointer comparison each in the common case. ``grads=False``:
+        parameters only (a sharded step whose full gradient may be freed)."""
         foreign = False
         for pack in self._packs:
             params = pack.params
             if list(map(_data_ptr, params)) != pack.ptrs:
                 self._relink_params(pack)
-            if not all(map(operator.is_, map(_grad_of, params), pack.gexpect)):
+            if grads and not all(map(operator.is_, map(_grad_of, params), pack.gexpect)):
                 foreign |= self._absorb_grads(pack)
         if check_fresh and not foreign and not self._flags[-1] and not self._warned_stale:
             if all(pk.arena.grad._version == pk.grad_version for pk in self._packs) and any(
@@ -386,6 +412,9 @@ class ArenaOptimizer(Optimizer):
                     p.grad = e
             pack.arena.grad.zero_()
             pack.grad_version = pack.arena.grad._version
+        if self._shard_spec and not self._shard_spec[3]:  # shard gradients of their own
+            for sp in self._shards:
+                sp.arena.grad.zero_()
         if set_to_none:
             self._flags[:] = bytes(len(self._flags))
 
@@ -415,6 +444,9 @@ class ArenaOptimizer(Optimizer):
         return loss
 
     def _step_arena(self) -> None:
+        if self._shards:
+            self._step_shards()
+            return
         self._sync(check_fresh=True)
         flags = self._flags
         for pack in self._complex_packs:
@@ -454,10 +486,18 @@ class ArenaOptimizer(Optimizer):
         return received
 
     def _ensure_state(self, pack: _Pack, group: dict[str, Any]) -> None:
+        """Allocate pack's flat state; a sharded pack's lives on its shard, and ``pack.sviews``
+        then holds each parameter's piece (empty where the shard has none of it)."""
+        sp = pack.shard or pack
         for name in self._state_names(group):
-            if name not in pack.state:
-                pack.state[name] = pack.arena.new_buffer()
-                pack.sviews[name] = pack.arena.views(pack.state[name])
+            if name not in sp.state:
+                sp.state[name] = sp.arena.new_buffer()
+                sp.sviews[name] = sp.arena.views(sp.state[name])
+                if sp is not pack:
+                    views = [sp.state[name][:0]] * len(pack.params)
+                    for pc, view in zip(sp.arena.pieces, sp.sviews[name]):
+                        views[pc.index] = view
+                    pack.sviews[name] = views
 
     def _init_entries(self, pack: _Pack, group: dict[str, Any], indices: Iterable[int]) -> None:
         """Expose per-parameter state the way torch.optim keys it (views into the arena)."""
@@ -484,20 +524,49 @@ class ArenaOptimizer(Optimizer):
     # -- state dict -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout (state[index] = {'step': ..., 'exp_avg': ...}); tensors are
-        copies, so loading them elsewhere never aliases the arena."""
+        copies, so loading them elsewhere never aliases the arena. Sharded: each state tensor
+        is this rank's piece of it, flat (empty where the rank holds none of the parameter),
+        and ``"pieces"`` holds :meth:`shard_pieces`; a full dict is a gather of every rank's
+        (``kiln.parallel.ZeroOptimizer.state_dict``)."""
         sd = super().state_dict()
         sd["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
                        for k, s in sd["state"].items()}
+        if self._shards:
+            sd["pieces"] = self.shard_pieces()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's ``load_state_dict``, into the arena's state. Sharded: a dict from
+        :meth:`state_dict` of the same sharding (it has ``"pieces"``), or a full torch-layout
+        one (kiln's or torch.optim's), of which each rank takes its pieces."""
+        pieces = state_dict.get("pieces")
+        if self._shards:
+            mine = self.shard_pieces()
+            if pieces is not None and any(tuple(pieces.get(k, ())) != tuple(mine.get(k, ()))
+                                          for k in state_dict["state"]):
+                raise ValueError(
+                    "kiln.optim: this state dict holds pieces of another sharding (another world size "
+                    "or layout); load a full state dict instead (ZeroOptimizer.state_dict() gathers one)")
+        elif pieces is not None:
+            raise ValueError("kiln.optim: a sharded state dict (with 'pieces') needs an optimizer sharded "
+                             "the same way; load a full state dict instead")
+        groups, state = self.param_groups, self.state
         super().load_state_dict(state_dict)
+        # torch replaces the group dicts and the state: keep the objects that a ZeroOptimizer
+        # (or anything else holding them) shares
+        for g, new in zip(groups, self.param_groups):
+            g.clear()
+            g.update(new)
+        state.clear()
+        state.update(self.state)
+        self.param_groups, self.state = groups, state
         if not self.contiguous:
             return
         with torch.no_grad():
             for pack in self._packs:
                 group = self.param_groups[pack.group]
                 names = self._state_names(group)
+                piece_of = {pc.index: pc for pc in pack.shard.arena.pieces} if pack.shard else None
                 pack.init = [False] * len(pack.params)
                 pack.n_init = 0
                 for i, p in enumerate(pack.params):
@@ -509,12 +578,136 @@ class ArenaOptimizer(Optimizer):
                         continue
                     self._ensure_state(pack, group)
                     for name in names:
-                        if st.get(name) is not None:
-                            pack.sviews[name][i].copy_(st[name])
+                        src = st.get(name)
+                        if src is None or (piece_of is not None and i not in piece_of):
+                            continue
+                        if piece_of is not None:  # this rank's piece, or a full tensor to cut it from
+                            src = src.reshape(-1) if pieces is not None else \
+                                src.reshape(-1)[piece_of[i].start:piece_of[i].stop]
+                        pack.sviews[name][i].copy_(src)
                     pack.step_vec[i] = float(st["step"]) if "step" in st else 1.0
                     self.state[p] = {}
                     self._init_entries(pack, group, [i])
                 pack.set_uniform()
+
+    # -- sharding (ZeRO-1/2) ----------------------------------------------------------------
+    def shard(self, rank: int, world: int, group: Any = None, *, keep_full_grad: bool = True) -> list[ArenaSlice]:
+        """From now on step only this rank's contiguous shard, ``arena.shard(rank, world)`` of
+        every arena, with optimizer state for the shard only; returns the shards (:attr:`shards`).
+
+        What :meth:`step` reads is each shard's ``grad``: with ``keep_full_grad`` a view of
+        the full flat gradient (fill it in place, e.g. a reduce-scatter), else a buffer of its
+        own, so that the full gradient can be freed between steps (ZeRO-2). Every trainable
+        parameter (``requires_grad``) steps on every step, as under DDP (no rank knows which
+        parameters the others' backward reached); frozen ones never do. Runs of parameters
+        with differing step counts are cut as over the whole arena, the same on every rank.
+
+        ``group``: the ranks that hold the other shards. LAMB's and LARS's per-tensor norms are
+        summed over it (one all-reduce per run, which a rank whose shard the run does not reach
+        joins too), and :meth:`grad_parts` names it. A process group (None: the default one),
+        or a function that sums a tensor in place over the shards (a test's stand-in).
+
+        Afterwards ``state[p]`` and :meth:`state_dict` hold this rank's piece of each state
+        tensor, :meth:`shard_pieces` says where each piece lies in its parameter, and
+        :meth:`load_state_dict` takes a sharded or a full dict. State held before sharding is
+        cut to the shard. :class:`kiln.parallel.ZeroOptimizer` does the communication.
+
+        >>> model = torch.nn.Linear(30, 2)
+        >>> opt = kiln.optim.AdamW(model.parameters(), shard_multiple=2)
+        >>> [(s.lo, s.hi) for s in opt.shard(1, 2)]    # weight [0, 64), bias [64, 80), N = 96
+        [(48, 96)]
+        >>> opt.shard_pieces()                          # weight elements 48..59, all of bias
+        {0: (48, 60), 1: (0, 2)}
+        """
+        if not self.contiguous:
+            raise TypeError("kiln.optim: shard() needs the arena (contiguous=True)")
+        if self._shards:
+            raise RuntimeError("kiln.optim: the optimizer is already sharded")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, {world})")
+        for pk in self._packs:
+            if pk.arena.numel % world:
+                raise ValueError(
+                    f"an arena of {pk.arena.numel} elements does not divide into {world} shards: build the "
+                    f"optimizer with shard_multiple={world} (the default once the process group is initialised)")
+        sd = self.state_dict() if any(pk.n_init for pk in self._packs) else None
+        self._shard_spec = (rank, world, group, keep_full_grad)
+        for pk in self._packs:
+            lo, hi = pk.arena.shard(rank, world)
+            grad = None if keep_full_grad else torch.zeros(hi - lo, dtype=pk.arena.dtype, device=pk.arena.device)
+            sl = ArenaSlice(pk.arena, lo, hi, grad)
+            sp = _Pack(sl, pk.group, [pk.params[k] for k in sl.seg_ids], pk.s0)
+            sp.trainable = bytes(int(p.requires_grad) for p in pk.params)
+            if self._per_tensor_norms and world > 1:
+                sp.norm_reduce = _norm_reducer(len(pk.params), sl, group)
+            pk.shard = sp
+            pk.state, pk.sviews, pk.scratch, pk.scratch_views = {}, {}, None, []  # no full-size state
+            pk.init, pk.n_init = [False] * len(pk.params), 0
+            self._shards.append(sp)
+        self.state.clear()
+        if sd is not None:
+            self.load_state_dict(sd)
+        return self.shards
+
+    @property
+    def shards(self) -> list[ArenaSlice]:
+        """This rank's shard of each arena, in :attr:`arenas` order (empty: not sharded)."""
+        return [sp.arena for sp in self._shards]
+
+    def shard_pieces(self) -> dict[int, tuple[int, int]]:
+        """Where this rank's shards hold each parameter: ``{index: (start, stop)}``, elements
+        [start, stop) of the flattened parameter, keyed by its index in :meth:`state_dict`
+        (torch's numbering). Parameters this rank holds no element of are absent."""
+        index: dict[int, int] = {}
+        start = 0
+        for g in self.param_groups:
+            for i, p in enumerate(g["params"], start):
+                index.setdefault(id(p), i)
+            start += len(g["params"])
+        return {index[id(pk.params[pc.index])]: (pc.start, pc.stop)
+                for pk in self._packs if pk.shard for pc in pk.shard.arena.pieces if pc.stop > pc.start}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (and scratch buffers) this optimizer holds; once sharded,
+        for its shards only."""
+        if not self.contiguous:
+            return sum(v.nbytes for st in self.state.values() for v in st.values() if torch.is_tensor(v))
+        bufs = [b for pk in self._packs + self._shards
+                for b in [*pk.state.values(), *([pk.scratch] if pk.scratch is not None else [])]]
+        return sum(b.untyped_storage().nbytes() for b in bufs)
+
+    def _step_shards(self) -> None:
+        """Update each shard's pieces in the runs of the whole arena (the same on every rank,
+        so LAMB/LARS norm all-reduces match up even on a rank whose shard a run misses)."""
+        self._sync(check_fresh=False, grads=self._shard_spec[3])  # type: ignore[index]
+        for pk, sp in zip(self._packs, self._shards):
+            group, n, trainable = self.param_groups[pk.group], len(pk.params), sp.trainable
+            if pk.arena.dtype.is_complex and group.get("fused") and any(trainable):
+                _device_dtype_check_for_fused(pk.params[0])  # torch refuses fused=True for complex
+            if pk.uniform and trainable == pk.all_ones:
+                runs = [(0, n, pk.step + 1)]
+            else:
+                runs = step_runs(trainable, [int(s) for s in pk.step_vec.tolist()])
+            if not runs:
+                continue
+            self._ensure_state(pk, group)
+            ids = sp.arena.seg_ids
+            k0, k1 = (ids[0], ids[-1] + 1) if ids else (0, 0)
+            for i, j, step in runs:
+                a, b = max(i, k0), min(j, k1)
+                if a < b:
+                    self._update_flat(sp, group, a - k0, b - k0, step)
+                elif sp.norm_reduce is not None:
+                    sp.norm_reduce(0, 0, torch.zeros(0))  # take part in the other ranks' all-reduce
+            if trainable == pk.all_ones:
+                pk.step_vec.add_(1)
+                pk.step += 1
+            else:
+                pk.step_vec[torch.tensor([i for i in range(n) if trainable[i]], dtype=torch.int64)] += 1
+                pk.set_uniform()
+            if pk.n_init < n:
+                self._init_entries(pk, group, [i for i in range(n) if trainable[i]])
+        self._flags[-1] = 0
 
     # -- multi-tensor mode (contiguous=False) ---------------------------------------------
     def _step_lists(self) -> None:
@@ -631,6 +824,40 @@ class ArenaOptimizer(Optimizer):
         if ps and torch.is_complex(ps[0]):  # a bucket shares one dtype
             lists = [_as_real(ts) for ts in lists]
         return [TensorList(ts) for ts in lists]
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-tensor norms are taken in: at least fp32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _is_process_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return group is None or isinstance(group, dist.ProcessGroup)
+
+
+def _norm_reducer(nseg: int, sl: ArenaSlice, group: Any) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
+    """(i, j, partial norms of pieces i..j-1 of sl: w norms then update norms) -> full norms:
+    squared, scattered into a (2*S,) vector over the arena's S segments, summed over group."""
+    ids = torch.tensor(sl.seg_ids, dtype=torch.int64, device=sl.device)
+    dtype = _norm_dtype(sl.dtype)
+    if _is_process_group(group):
+        def sum_(t: torch.Tensor) -> Any:
+            return torch.distributed.all_reduce(t, group=group)
+    else:
+        sum_ = group
+
+    def reduce(i: int, j: int, norms: torch.Tensor) -> torch.Tensor:
+        sq = torch.zeros(2 * nseg, dtype=dtype, device=sl.device)
+        n = j - i
+        if n:
+            sq[ids[i:j]] = norms[:n].to(dtype).square()
+            sq[ids[i:j] + nseg] = norms[n:].to(dtype).square()
+        sum_(sq)
+        return sq[torch.cat([ids[i:j], ids[i:j] + nseg])].sqrt()
+
+    return reduce
 
 
 def _as_real(ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -45,7 +45,7 @@ from torch.optim.optimizer import _to_scalar
 from torch.optim.sgd import sgd as _torch_sgd
 
 from kiln.optim import _rules
-from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _Pack
+from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _norm_dtype, _Pack
 
 __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 
@@ -276,10 +276,6 @@ class AdamW(Adam):
 
 
 # -- LAMB and LARS ------------------------------------------------------------------------------
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _lamb_kernel(p, g, m, v, u_out, hp):
     """Elementwise LAMB, in place on m, v; the direction u goes to u_out. hp = (b1, b2, c1, c2,
     eps, wd, bc1, bc2) as a tensor (c = 1 - b in float64) so new values never recompile."""
@@ -307,7 +303,7 @@ def _list_norms(ts: list[torch.Tensor]) -> torch.Tensor:
 
 def _segment_norms(pack: _Pack, i: int, j: int, ts: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms of ts (views of segments i..j-1 of pack, several lists concatenated),
-    completed by ``pack.norm_reduce`` when pack covers only part of each tensor (a ZeRO shard)."""
+    completed by ``pack.norm_reduce`` when pack covers only part of each tensor (a shard)."""
     norms = _list_norms(ts)
     return norms if pack.norm_reduce is None else pack.norm_reduce(i, j, norms)
 

@@ -49,7 +49,7 @@ import pickle
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -130,10 +130,13 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-def _is_zero(optimizer: Optimizer | None) -> bool:
-    from kiln.parallel._zero import ZeroOptimizer
+def _sharded(optimizer: Optimizer | None) -> Any:
+    """The kiln optimizer that steps only this rank's shard (the one a ZeroOptimizer of stage
+    1 or 2 wraps), or None."""
+    from kiln.optim import ArenaOptimizer
 
-    return isinstance(optimizer, ZeroOptimizer) and optimizer.stage in (1, 2)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, ArenaOptimizer) and inner.shards else None
 
 
 def _boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -163,36 +166,17 @@ def _boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], 
     return out + (row(r1, 0, c1) if c1 else [])
 
 
-def _zero_pieces(zero: Any, names: dict[int, str], load: bool) -> Iterator[tuple[str, int, Any, tuple, dict]]:
-    """ZeRO-1/2: this rank's part of every state tensor, as DCP chunks (boxes) over views of its
-    shard's flat state (``load``: allocated first). A shard cuts parameters anywhere, so a part
-    is a flat range of the parameter: up to 2 * ndim + 1 boxes. Yields (fqn, the parameter's
-    index in its pack, the pack, the state names, {state name: [(offsets, sizes, view)]}).
-    Reads kiln's arena internals (``_packs``, ``_shards``, piece bounds), as ZeroOptimizer's own
-    ``state_dict`` does, minus its all-gather."""
-    inner = zero.optimizer
-    for pk, sp in zip(inner._packs, zero._shards):
-        group = zero.param_groups[pk.group]
-        if load:
-            inner._ensure_state(sp, group)  # this rank's state buffers, before reading into them
-        state_names = inner._state_names(group) if sp.state else ()
-        sl, bounds = sp.arena, pk.arena._bounds
-        piece_of = {seg: n for n, seg in enumerate(sl.seg_ids)}
-        for i, p in enumerate(pk.params):
-            boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]] = {}
-            n = piece_of.get(i)
-            if n is not None:
-                # the piece's real elements, as offsets into the whole parameter (flattened)
-                a = sl.lo + sl._pieces[n][0] - bounds[i]
-                b = sl.lo + sl._pieces[n][1] - bounds[i]
-                for name in state_names:
-                    view, at = sp.sviews[name][n], 0
-                    boxes[name] = []
-                    for offsets, sizes in _boxes(tuple(p.shape), a, b):
-                        size = math.prod(sizes)
-                        boxes[name].append((offsets, sizes, view[at:at + size].view(sizes)))
-                        at += size
-            yield names[id(p)], i, pk, state_names, boxes
+def _piece_boxes(shape: Sequence[int], piece: tuple[int, int] | None,
+                 flat: torch.Tensor) -> list[tuple[Any, Any, torch.Tensor]]:
+    """A shard's piece of a parameter's state (elements [start, stop) of the flattened tensor,
+    held in the 1-D ``flat``) as DCP chunks over views of ``flat``: a shard cuts parameters
+    anywhere, so up to 2 * ndim + 1 boxes; none where this rank holds no piece."""
+    out, at = [], 0
+    for offsets, sizes in _boxes(tuple(shape), *piece) if piece else ():
+        size = math.prod(sizes)
+        out.append((offsets, sizes, flat[at:at + size].view(sizes)))
+        at += size
+    return out
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -308,31 +292,23 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                 raise ValueError("save_sharded: the optimizer holds a parameter that is not in the model "
                                  "(pass masters= for tensors it steps in the model's place)")
             fqn = {i: names[id(p)] for i, p in indexed}
-            if _is_zero(optimizer):
-                osd = Optimizer.state_dict(optimizer.optimizer)  # hyperparameters; state below
-                for name, i, pk, state_names, boxes in _zero_pieces(optimizer, names, load=False):
-                    if float(pk.step_vec[i]) == 0:
-                        continue  # never stepped: no state, as in torch.optim
-                    entry = {"tensors": [], "other": {}}
-                    if optimizer.optimizer._has_step_state:
-                        tensors[f"{_STATE}{name}.step"] = pk.step_vec[i].clone()
-                        entry["tensors"].append("step")
-                    p = pk.params[i]
-                    for k in state_names:
-                        chunks[f"{_STATE}{name}.{k}"] = (p.shape, boxes.get(k, []))
-                        entry["tensors"].append(k)
-                    local["state"][name] = entry
-            else:
-                osd = optimizer.state_dict()
-                for idx, st in osd["state"].items():
-                    entry = {"tensors": [], "other": {}}
-                    for k, v in st.items():
-                        if torch.is_tensor(v):
-                            tensors[f"{_STATE}{fqn[idx]}.{k}"] = v
-                            entry["tensors"].append(k)
-                        else:
-                            entry["other"][k] = _jsonable(v)
-                    local["state"][fqn[idx]] = entry
+            shape = {i: p.shape for i, p in indexed}
+            sharded = _sharded(optimizer)
+            # a shard's own state dict: this rank's pieces, and where they lie (no gather)
+            osd = (sharded or optimizer).state_dict()
+            pieces = osd.pop("pieces", {})
+            for idx, st in osd["state"].items():
+                entry = {"tensors": [], "other": {}}
+                for k, v in st.items():
+                    if not torch.is_tensor(v):
+                        entry["other"][k] = _jsonable(v)
+                        continue
+                    if sharded is not None and k != "step":
+                        chunks[f"{_STATE}{fqn[idx]}.{k}"] = (shape[idx], _piece_boxes(shape[idx], pieces.get(idx), v))
+                    else:
+                        tensors[f"{_STATE}{fqn[idx]}.{k}"] = v
+                    entry["tensors"].append(k)
+                local["state"][fqn[idx]] = entry
             for g in osd["param_groups"]:
                 hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
                 local["param_groups"].append({"hyper": hyper, "params": [fqn[i] for i in g["params"] if i in fqn]})
@@ -484,41 +460,29 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     names = _param_names(model, masters)
     opt_targets: dict[str, dict[str, Any]] = {}
     chunks: dict[str, list] = {}
-    zero_steps: list[tuple[Any, int, torch.Tensor | float]] = []  # (pack, index, its step count)
-    if optimizer is not None and _is_zero(optimizer):
-        for fqn, i, pk, _, boxes in _zero_pieces(optimizer, names, load=True):
-            entry = meta["state"].get(fqn)
-            # torch's convention: a parameter without state has step 0; one with state but no
-            # 'step' entry (kiln SGD) counts as stepped
-            step: torch.Tensor | float = 0.0 if entry is None else 1.0
-            if entry is not None and "step" in entry["tensors"]:
-                step = targets[f"{_STATE}{fqn}.step"] = torch.zeros(saved[f"{_STATE}{fqn}.step"].size,
-                                                                      dtype=pk.step_vec.dtype)
-            zero_steps.append((pk, i, step))
-            for k, pieces in boxes.items():
-                if entry is not None and k in entry["tensors"]:
-                    chunks[f"{_STATE}{fqn}.{k}"] = pieces
-                else:
-                    for _, _, view in pieces:
-                        view.zero_()  # no saved state for this parameter: as if never stepped
-    elif optimizer is not None:
-        for _, ps in _indexed_params(optimizer):
-            for p in ps:
-                fqn = names.get(id(p))
-                entry = meta["state"].get(fqn) if fqn is not None else None
-                if entry is None or fqn in opt_targets:
+    sharded = _sharded(optimizer)
+    pieces = sharded.shard_pieces() if sharded is not None else {}  # where this rank's shards cut
+    for start, ps in _indexed_params(optimizer) if optimizer is not None else ():
+        for idx, p in enumerate(ps, start):
+            fqn = names.get(id(p))
+            entry = meta["state"].get(fqn) if fqn is not None else None
+            if entry is None or fqn in opt_targets:
+                continue
+            st: dict[str, Any] = {}
+            for k in entry["tensors"]:
+                key = f"{_STATE}{fqn}.{k}"
+                size, dtype = tuple(saved[key].size), saved[key].properties.dtype
+                if sharded is not None and k != "step":  # this rank's piece only, read as chunks
+                    a, b = pieces.get(idx, (0, 0))
+                    st[k] = torch.zeros(b - a, dtype=dtype, device=p.device)
+                    chunks[key] = _piece_boxes(p.shape, pieces.get(idx), st[k])
                     continue
-                st: dict[str, Any] = {}
-                for k in entry["tensors"]:
-                    md = saved[f"{_STATE}{fqn}.{k}"]
-                    size, dtype = tuple(md.size), md.properties.dtype
-                    if size == tuple(p.shape):
-                        t = torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor p
-                    else:
-                        t = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
-                    st[k] = t
-                    targets[f"{_STATE}{fqn}.{k}"] = t
-                opt_targets[fqn] = st
+                if size == tuple(p.shape):
+                    st[k] = torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor p
+                else:
+                    st[k] = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
+                targets[key] = st[k]
+            opt_targets[fqn] = st
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.load(targets, checkpoint_id=str(path), storage_reader=reader, planner=_LoadPlanner(chunks),
@@ -529,14 +493,6 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     if optimizer is None:
         return meta["extra"]
     hyper_of = _hyper_of(optimizer, names, meta)
-    if _is_zero(optimizer):
-        for g, hyper in zip(optimizer.param_groups, hyper_of):
-            g.update(hyper)
-        for pk, i, step in zero_steps:
-            pk.step_vec[i] = float(step)
-        for pk in optimizer.optimizer._packs:
-            pk.set_uniform()
-        return meta["extra"]
     state: dict[int, dict[str, Any]] = {}
     groups = []
     seen: set[int] = set()
@@ -549,7 +505,8 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             fqn = names.get(id(p))
             if fqn in opt_targets:
                 state[i] = {**opt_targets[fqn], **meta["state"][fqn]["other"]}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    optimizer.load_state_dict({"state": state, "param_groups": groups,  # a shard's: its pieces, and where
+                               **({"pieces": pieces} if sharded is not None else {})})
     return meta["extra"]
 
 
