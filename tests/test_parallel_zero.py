@@ -18,6 +18,8 @@ from kiln.parallel import (ZeroOptimizer, all_reduce_gradients, broadcast_parame
                            rank, world_size)
 from kiln.parallel.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+
 STEPS, BATCH, ACCUM = 5, 16, 2
 OPTS = {
     "adamw": lambda gs, sm: ko.AdamW(gs, lr=1e-2, weight_decay=0.1, shard_multiple=sm),

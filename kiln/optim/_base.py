@@ -740,8 +740,6 @@ class ArenaOptimizer(Optimizer):
     def _tensor_norms(self, ts: list[torch.Tensor]) -> torch.Tensor:
         """(S,) L2 norm of each tensor of ts; over DTensor shards, the norm of the full tensor
         (squared local norms summed over the sharded mesh dimensions: one all-reduce)."""
-        from kiln.optim._optimizers import _list_norms
-
         norms = _list_norms(ts)
         return norms if self._list_norm_reduce is None else self._list_norm_reduce(norms)
 
@@ -829,6 +827,13 @@ class ArenaOptimizer(Optimizer):
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype per-tensor norms are taken in: at least fp32."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _list_norms(ts: list[torch.Tensor]) -> torch.Tensor:
+    """(S,) L2 norm of each tensor of a list (fp32 for 16-bit tensors)."""
+    if not ts:
+        return torch.zeros(0)
+    return torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(ts[0].dtype)))
 
 
 def _is_process_group(group: Any) -> bool:

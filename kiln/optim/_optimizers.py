@@ -45,7 +45,7 @@ from torch.optim.optimizer import _to_scalar
 from torch.optim.sgd import sgd as _torch_sgd
 
 from kiln.optim import _rules
-from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _norm_dtype, _Pack
+from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _list_norms, _norm_dtype, _Pack
 
 __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 
@@ -292,13 +292,6 @@ def _lars_dir_kernel(p, g, d_out, hp):
 def _lars_mom_kernel(p, d, buf, hp, nesterov: bool):
     """Heavy-ball step on the scaled direction d, in place on p, buf (and d); hp = (lr, momentum)."""
     _rules.momentum_update(p, d, buf, lr=hp[0], momentum=hp[1], nesterov=nesterov)
-
-
-def _list_norms(ts: list[torch.Tensor]) -> torch.Tensor:
-    """(S,) L2 norm of each tensor of a list (fp32 for 16-bit tensors)."""
-    if not ts:
-        return torch.zeros(0)
-    return torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(ts[0].dtype)))
 
 
 def _segment_norms(pack: _Pack, i: int, j: int, ts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""kiln's layers, read from the source with ``ast``: no import cycle between modules (so none
+between packages either), and no module takes a private name or a private module of a package
+it is not inside.
+
+"Private" is Python's convention: ``_name`` (a module, or a name in a module) belongs to the
+package that holds it and to that package's subpackages. ``kiln._plotting`` is usable everywhere in kiln; ``kiln.parallel._pp``
+only inside ``kiln.parallel``. Imports under ``if TYPE_CHECKING:`` are for type checkers and
+do not count; imports inside functions do (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "kiln"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or None, line) for every runtime import of kiln."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, str | None, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit(sub)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name, None, child.lineno) for a in child.names if a.name.startswith("kiln"))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    module = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    module = child.module or ""
+                if module.split(".")[0] == "kiln":
+                    for alias in child.names:
+                        sub = f"{module}.{alias.name}"
+                        found.append((sub, None, child.lineno) if sub in MODULES else (module, alias.name, child.lineno))
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+IMPORTS = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _owner_of_private(module: str) -> str | None:
+    """The package a private module belongs to (``kiln.parallel`` for ``kiln.parallel._pp``),
+    or None for a public module."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_module_imports_a_private_name_or_module_of_a_package_it_is_not_inside():
+    wrong = []
+    for name, imports in IMPORTS.items():
+        for module, taken, line in imports:
+            owner = _owner_of_private(module)
+            if owner is not None and not _inside(name, owner):
+                wrong.append(f"{MODULES[name].relative_to(ROOT.parent)}:{line} imports private module {module}")
+            # a private name belongs to the package of the module that defines it
+            home = module if MODULES.get(module, Path()).name == "__init__.py" else module.rpartition(".")[0]
+            if taken and taken.startswith("_") and not taken.startswith("__") and not _inside(name, home):
+                wrong.append(f"{MODULES[name].relative_to(ROOT.parent)}:{line} takes {taken} from {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_the_module_import_graph_has_no_cycle():
+    graph = {name: {m for m, _, _ in imports if m in MODULES and m != name} for name, imports in IMPORTS.items()}
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_the_checks_see_what_they_claim_to():
+    # the scan finds lazy imports inside functions and skips type-checking-only ones
+    loop = {m for m, _, _ in IMPORTS["kiln.train.loop"]}
+    assert "kiln.train._setup" in loop
+    assert "kiln.train" not in {m for m, _, _ in IMPORTS["kiln"]}  # only under TYPE_CHECKING or by string
+    assert any(m == "kiln.models" for m, _, _ in IMPORTS["kiln.parallel._checks"])
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _owner_of_private("kiln.parallel._pp") == "kiln.parallel" and _owner_of_private("kiln.optim") is None
+
+
+@pytest.mark.parametrize("package", ["kiln.config", "kiln.models", "kiln.optim", "kiln.data"])
+def test_lower_layers_do_not_import_the_trainer_or_the_parallel_layer(package):
+    # configs, models, optimizers and data are usable without training or torch.distributed's layouts
+    above = ("kiln.train", "kiln.parallel", "kiln.bench", "kiln.cli")
+    wrong = [(name, m) for name, imports in IMPORTS.items() if _inside(name, package)
+             for m, _, _ in imports if any(_inside(m, a) for a in above)]
+    assert not wrong, wrong
