@@ -2,7 +2,19 @@
 
     kiln train configs/digits_vit.py
 
-Reaches about 97% validation accuracy in well under a minute on 2 CPU cores.
+Final validation accuracy (297 images), train.seed=0..4: min 97.64%, median 98.32%, max 98.99%
+(98.99, 97.64, 98.32, 97.64, 98.65), 37-45 s a run (summary.json wall_seconds, measured while
+other jobs shared the cores: an upper bound), on 2 cores of an AMD EPYC, torch 2.13 CPU
+(capability AVX2). tests/test_demo.py trains seed 5 (98.32%)
+and fails below 97%.
+
+The accuracy has margin over 97% because a run's last bits differ between CPUs and thread
+counts: with train.threads=1 (other rounding) seeds 0..5 gave min 97.98%, median 98.32%. With the
+first settings (AdamW 3e-3, weight decay 0.05, 600 steps) seeds 0..4 ended between 94.95% and
+97.98%, the model fitting the 1500 training images (train loss ~0.01) with validation loss
+0.08-0.17; stronger decoupled weight decay, a lower peak lr and 1000 steps (43 epochs) bring
+validation loss to 0.03-0.09. Dropout 0.1 (1000 steps: a seed at 95.6%) and random 1-pixel
+shifts of the images (84% after 600 steps: a patch-2 ViT learns them slowly) did worse.
 """
 
 from kiln.config import LazyCall as L
@@ -26,13 +38,13 @@ data = dict(
 
 optim = dict(
     name="adamw",
-    lr=3e-3,
-    weight_decay=0.05,
+    lr=2e-3,  # with weight_decay 0.5: 1.5e-3 left a seed under 97%, 3e-3 did almost as well
+    weight_decay=0.5,  # AdamW's decoupled decay; 0.05 overfit (see above)
     schedule="onecycle",
 )
 
 train = dict(
-    max_steps=600,
+    max_steps=1000,  # 800 (lr 3e-3, weight_decay 0.5) left every seed at 96.3-97.0%
     eval_every=100,
     log_every=20,
     seed=0,
