@@ -2,11 +2,11 @@
 
     kiln train configs/digits_vit.py
 
-Final validation accuracy (297 images), train.seed=0..4: min 97.64%, median 98.32%, max 98.99%
-(98.99, 97.64, 98.32, 97.64, 98.65), 37-45 s a run (summary.json wall_seconds, measured while
-other jobs shared the cores: an upper bound), on 2 cores of an AMD EPYC, torch 2.13 CPU
-(capability AVX2). tests/test_demo.py trains seed 5 (98.32%)
-and fails below 97%.
+Measured on an idle 2-core AMD EPYC (torch 2.13 CPU, capability AVX2), train.seed=0..4:
+final validation accuracy (297 images) min 97.64%, median 98.32%, max 98.99% (98.99, 97.64,
+98.32, 97.64, 98.65); training took 22.3-26.7 s (median 22.6 s, summary.json wall_seconds),
+about 26 s for the whole command (37-45 s while other jobs shared the cores).
+tests/test_demo.py trains seed 5 (98.32%) and fails below 97%.
 
 The accuracy has margin over 97% because a run's last bits differ between CPUs and thread
 counts: with train.threads=1 (other rounding) seeds 0..5 gave min 97.98%, median 98.32%. With the
