@@ -24,8 +24,9 @@ def test_python_config_loads_with_defaults_filled_in():
     cfg = load_config(VIT)
     assert cfg.model.name == "vit" and cfg.model.dim == 64
     assert cfg.model.mlp_ratio == 4.0  # a model default the file did not write
-    assert cfg.optim.name == "adamw" and cfg.optim.lr == 3e-3
-    assert cfg.train.max_steps == 600
+    assert cfg.optim.name == "adamw" and cfg.optim.lr == 2e-3 and cfg.optim.weight_decay == 0.5
+    assert cfg.optim.eps is None  # not written: the optimizer's own default applies
+    assert cfg.train.max_steps == 1000
     assert cfg.data.batch_size == 64
     assert cfg.parallel.dp is None
     assert set(cfg.keys()) == {"model", "data", "optim", "train", "parallel"}
