@@ -10,8 +10,14 @@ from typing import Any
 
 import torch
 
-# Optimizer state per parameter, in parameter-sized tensors.
-_STATE_TENSORS = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 1, "lars": 1}
+
+def _state_tensors(optim_cfg: Any) -> int:
+    """Parameter-sized optimizer state tensors per parameter, as the optimizer class declares
+    them for these options (SGD without momentum keeps none, AdamW two, amsgrad three)."""
+    from kiln.optim import OPTIMIZERS
+
+    cls = OPTIMIZERS[optim_cfg.name]
+    return len(cls.state_names_for(**{k: optim_cfg[k] for k in cls.config_options}))
 
 
 def _mb(n_bytes: float) -> str:
@@ -31,7 +37,7 @@ def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
                             pp_stages=par.pp_stages)
     elems = max(stages)
     size = params[0][1].element_size() if params else 4
-    state = _STATE_TENSORS[cfg.optim.name] if not (cfg.optim.name == "sgd" and not cfg.optim.momentum) else 0
+    state = _state_tensors(cfg.optim)
     dp, zero = layout.dp, par.zero
     p_b = elems * size / (dp if zero == 3 else 1)
     g_b = elems * size / (dp if zero >= 2 else 1)
@@ -59,9 +65,7 @@ def describe(cfg: Any, world: int | None = None) -> str:
     n_train = sum(p.numel() for p in params if p.requires_grad)
     n_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    state = _STATE_TENSORS[cfg.optim.name]
-    if cfg.optim.name == "sgd" and not cfg.optim.momentum:
-        state = 0
+    state = _state_tensors(cfg.optim)
     state_bytes = state * grad_bytes
     tc, dc = cfg.train, cfg.data
     micro = dc.batch_size // tc.accumulate

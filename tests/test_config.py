@@ -79,8 +79,20 @@ def test_bool_is_not_an_int():
 
 
 def test_choice_suggests_the_closest_value():
-    msg = _error(VIT, ["optim.name=adamx"])
-    assert "optim.name" in msg and "'adam'" in msg
+    msg = _error(VIT, ["optim.schedule=cosin"])
+    assert "optim.schedule" in msg and "'cosine'" in msg
+    msg = _error(VIT, ["optim.name=adamx"])  # a name the optimizer classes declare
+    assert "optim.name" in msg and "did you mean adam?" in msg and "lamb, lars" in msg
+
+
+def test_an_option_the_chosen_optimizer_does_not_take_is_refused():
+    # the optimizer classes declare their options; before, momentum was silently dropped for AdamW
+    msg = _error(VIT, ["optim.momentum=0.9"])
+    assert "optim.momentum=0.9 is not an option of adamw" in msg and "sgd, lars" in msg
+    assert "optim.betas" in _error(VIT, ["optim.name=sgd", "optim.betas=[0.9,0.95]"])
+    assert "optim.nesterov" in _error(VIT, ["optim.nesterov=true"])
+    cfg = load_config(VIT, ["optim.name=sgd", "optim.momentum=0.9", "optim.nesterov=true"])
+    assert cfg.optim.momentum == 0.9
 
 
 def test_unknown_namespace_in_override_and_in_file(tmp_path):

@@ -5,6 +5,7 @@ parameters, GradScaler, clipping, schedulers, state dicts, >2^31 offsets)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import warnings
 
@@ -576,6 +577,26 @@ def test_zero_grad_is_one_memset_and_updates_are_in_the_arena():
     assert exp_avg.shape == m[0].weight.shape
     flat_exp_avg = opt._packs[0].state["exp_avg"]
     assert exp_avg.untyped_storage().data_ptr() == flat_exp_avg.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("options", [{}, {"momentum": 0.9}, {"momentum": 0.0}, {"amsgrad": True}])
+def test_every_optimizer_keeps_exactly_the_state_it_declares(options):
+    # kiln plan and the config read these class facts; a step must create exactly these tensors
+    for name, cls in ko.OPTIMIZERS.items():
+        takes = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in options.items() if k in takes}
+        m = make_model()
+        opt = cls(two_groups(m), lr=1e-3, **kwargs)
+        train(m, opt, 1)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        kept = set()
+        for i, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                if k != "step":
+                    assert v.shape == params[i].shape, (name, k)  # parameter-sized
+                    kept.add(k)
+        assert kept == set(cls.state_names_for(**kwargs)), (name, kwargs)
+        assert opt.config_name == name and all(k in takes for k in cls.config_options)
 
 
 def test_optimizers_registry_and_trainer_call():

@@ -151,5 +151,10 @@ def test_plan_shows_the_fullest_ranks_memory_in_a_layout(capsys):
     # tensor parallel halves the matrices, the pipeline halves the blocks; the replicated norms,
     # biases and positions keep the fullest rank a little above a quarter
     assert 0.25 * whole[0] < params < 0.32 * whole[0]
+    # the state comes from the optimizer class: SGD keeps none without momentum, one buffer with it
+    assert main(["plan", GPT, *big, "optim.name=sgd"]) == 0
+    assert _plan_mb(capsys.readouterr().out, "memory")[2] == 0
+    assert main(["plan", GPT, *big, "optim.name=sgd", "optim.momentum=0.9"]) == 0
+    assert _plan_mb(capsys.readouterr().out, "memory")[2] == pytest.approx(whole[2] / 2, abs=0.1)
     assert main(["plan", GPT, "--nproc", "3", "parallel.tp=2"]) == 2
     assert "3 process(es) cannot be split" in capsys.readouterr().err

@@ -191,6 +191,27 @@ def _validate_data(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
+    """optim.name names one of kiln's optimizers, and every optimizer-specific key set (not
+    left at its default) is one that optimizer takes: the classes declare both."""
+    from kiln.config._schema import OptimConfig
+    from kiln.optim import OPTIMIZERS
+
+    name = values["name"]
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {name!r} in optim.name" + _suggest(name, OPTIMIZERS, "")
+                          + f" (kiln's optimizers: {', '.join(OPTIMIZERS)})")
+    cls = OPTIMIZERS[name]
+    specific = {key for other in OPTIMIZERS.values() for key in other.config_options}
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimConfig)}
+    for key in sorted(specific - set(cls.config_options)):
+        if values[key] != defaults[key]:
+            raise ConfigError(f"optim.{key}={values[key]!r} is not an option of {name} (it takes "
+                              f"{', '.join(cls.config_options)}); remove it, or choose an optimizer that "
+                              f"takes it ({', '.join(n for n, c in OPTIMIZERS.items() if key in c.config_options)})")
+    return values
+
+
 def _validate_cross(cfg: dict[str, Any]) -> None:
     """Checks that need more than one key."""
     train, data = cfg["train"], cfg["data"]
@@ -265,6 +286,7 @@ def validate(tree: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"namespace {name!r} must be a mapping of keys, got {given!r}")
         out[name] = coerce_dataclass(given, cls, name)
     _validate_data(out["data"])
+    _validate_optim(out["optim"])
     _validate_cross(out)
     return out
 

@@ -27,13 +27,14 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adam", "sgd", "lamb", "lars"] = "adamw"  # optimizer
+    name: str = "adamw"  # optimizer: a key of kiln.optim.OPTIMIZERS (adamw, adam, sgd, lamb, lars)
     lr: float = 1e-3  # peak learning rate
     weight_decay: Optional[float] = None  # None: the optimizer's own default (AdamW 0.01, others 0)
     betas: Optional[tuple[float, float]] = None  # Adam-family betas; None: optimizer default
     eps: Optional[float] = None  # None: optimizer default (1e-8 Adam/AdamW, 1e-6 LAMB)
     momentum: Optional[float] = None  # SGD/LARS momentum; None: default (SGD 0, LARS 0.9)
     nesterov: bool = False  # Nesterov momentum for SGD/LARS
+    # (each optimizer class declares which of betas..nesterov it takes: config_options)
     contiguous: bool = True  # kiln's arena: all parameters and grads in one flat buffer
     no_decay_1d: bool = True  # no weight decay for biases and norm weights (ndim <= 1)
     schedule: Literal["constant", "cosine", "linear", "onecycle"] = "constant"  # lr schedule

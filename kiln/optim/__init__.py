@@ -24,7 +24,8 @@ from kiln.optim._base import ArenaOptimizer
 from kiln.optim._clip import clip_grad_norm_
 from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 
-OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "lamb": LAMB, "lars": LARS}
+# optim.name -> class; what each takes and keeps is declared on the class (config_options, state_names)
+OPTIMIZERS = {cls.config_name: cls for cls in (AdamW, Adam, SGD, LAMB, LARS)}
 
 __all__ = ["Arena", "ArenaSlice", "Piece", "arena_layout", "ArenaOptimizer", "SGD", "Adam", "AdamW", "LAMB", "LARS",
            "OPTIMIZERS", "clip_grad_norm_"]

@@ -46,10 +46,11 @@ which case it takes exactly torch's path.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 from torch.optim import Optimizer
@@ -176,9 +177,27 @@ class ArenaOptimizer(Optimizer):
             self._build()
         self._built = True
 
-    # -- subclass interface ---------------------------------------------------------------
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+    # -- what a subclass declares -----------------------------------------------------------
+    # Its name in a config's optim.name, and the optim.* keys it takes (kiln.train builds it
+    # with lr, those keys and the parameter groups; a key it does not take is refused).
+    config_name: ClassVar[str]
+    config_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
+        """The parameter-sized state tensors a group with these hyperparameters keeps."""
         raise NotImplementedError
+
+    @classmethod
+    def state_names_for(cls, **options: Any) -> tuple[str, ...]:
+        """:meth:`state_names` of a group built with these keyword arguments (the constructor's
+        defaults for the rest, and for any given as None), without building anything."""
+        group = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                 if p.default is not inspect.Parameter.empty}
+        group.update((k, v) for k, v in options.items() if v is not None)
+        return cls.state_names(group)
+
+    # -- subclass interface ---------------------------------------------------------------
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
         """Update segments i..j-1 of pack (all received, all at step number `step`)."""
@@ -489,7 +508,7 @@ class ArenaOptimizer(Optimizer):
         """Allocate pack's flat state; a sharded pack's lives on its shard, and ``pack.sviews``
         then holds each parameter's piece (empty where the shard has none of it)."""
         sp = pack.shard or pack
-        for name in self._state_names(group):
+        for name in self.state_names(group):
             if name not in sp.state:
                 sp.state[name] = sp.arena.new_buffer()
                 sp.sviews[name] = sp.arena.views(sp.state[name])
@@ -501,7 +520,7 @@ class ArenaOptimizer(Optimizer):
 
     def _init_entries(self, pack: _Pack, group: dict[str, Any], indices: Iterable[int]) -> None:
         """Expose per-parameter state the way torch.optim keys it (views into the arena)."""
-        names = self._state_names(group)
+        names = self.state_names(group)
         expose = bool(names) or self._has_step_state  # SGD without momentum: no entry, as torch
         for i in indices:
             if pack.init[i]:
@@ -565,7 +584,7 @@ class ArenaOptimizer(Optimizer):
         with torch.no_grad():
             for pack in self._packs:
                 group = self.param_groups[pack.group]
-                names = self._state_names(group)
+                names = self.state_names(group)
                 piece_of = {pc.index: pc for pc in pack.shard.arena.pieces} if pack.shard else None
                 pack.init = [False] * len(pack.params)
                 pack.n_init = 0
@@ -799,7 +818,7 @@ class ArenaOptimizer(Optimizer):
         st = self.state[p]
         st["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
                                  device=p.device if on_p else "cpu")
-        for name in self._state_names(group):
+        for name in self.state_names(group):
             st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return st
 

@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch.optim.adam import adam as _torch_adam
@@ -83,6 +83,9 @@ class SGD(ArenaOptimizer):
     implementation over the parameters as they are (no arena).
     """
 
+    config_name = "sgd"
+    config_options = ("momentum", "nesterov", "weight_decay")
+
     _has_step_state = False
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
@@ -95,11 +98,12 @@ class SGD(ArenaOptimizer):
         _torch_checks(torch.optim.SGD, **defaults)
         super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+    @classmethod
+    def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] else ()
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
-        names = self._state_names(group)
+        names = self.state_names(group)
         p, g, *bufs = _flat_args(pack, i, j, *names)
         if _fused_ok(p.device, p.dtype, self):
             _fused_sgd([p], [g], bufs, group, first=step == 1)
@@ -176,6 +180,9 @@ class Adam(ArenaOptimizer):
     and fail, exactly where torch's do.
     """
 
+    config_name = "adam"
+    config_options = ("betas", "eps", "weight_decay")
+
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
@@ -191,11 +198,12 @@ class Adam(ArenaOptimizer):
         defaults["betas"] = tuple(map(_to_scalar, betas))  # as torch: 1-element tensors become 0-d
         super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+    @classmethod
+    def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
-        p, g, m, v, *vmax = _flat_args(pack, i, j, *self._state_names(group))
+        p, g, m, v, *vmax = _flat_args(pack, i, j, *self.state_names(group))
         if _fused_ok(p.device, p.dtype, self):
             pack.step_t.fill_(step)
             _fused_adam([p], [g], [m], [v], vmax, [pack.step_t], group)
@@ -213,7 +221,7 @@ class Adam(ArenaOptimizer):
         return None if _fused_ok(p.device, p.dtype, self) else int(st["step"])
 
     def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], key: Any) -> None:
-        names = self._state_names(group)
+        names = self.state_names(group)
         states = [self.state[p] for p in ps]
         steps = [st["step"] for st in states]
         if key is None:
@@ -263,6 +271,8 @@ def _fused_adam(ps, gs, ms, vs, vmaxs, steps, group) -> None:
 
 class AdamW(Adam):
     """torch.optim.AdamW over the arena: decoupled weight decay, default 1e-2."""
+
+    config_name = "adamw"  # the same config_options as Adam
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
@@ -319,6 +329,9 @@ class LAMB(ArenaOptimizer):
     trust ratio needs all of u before any of w can move).
     """
 
+    config_name = "lamb"
+    config_options = ("betas", "eps", "weight_decay")
+
     _per_tensor_norms = True
     _supports_complex = False
 
@@ -329,7 +342,8 @@ class LAMB(ArenaOptimizer):
         self.compile = compile
         super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+    @classmethod
+    def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
@@ -374,6 +388,9 @@ class LARS(ArenaOptimizer):
     adaptation nor decay: q = 1 and d = g, i.e. plain SGD with momentum.
     """
 
+    config_name = "lars"
+    config_options = ("momentum", "nesterov", "weight_decay")
+
     _per_tensor_norms = True
     _supports_complex = False
 
@@ -386,7 +403,8 @@ class LARS(ArenaOptimizer):
         self.compile = compile
         super().__init__(params, defaults, contiguous=contiguous, shard_multiple=shard_multiple)
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+    @classmethod
+    def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",)
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:

@@ -119,16 +119,6 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
 # --------------------------------------------------------------------------- optimizer
 
 
-# Keyword arguments each optimizer takes from the optim namespace (None values mean "its default").
-_OPTIM_KWARGS = {
-    "adamw": ("betas", "eps", "weight_decay"),
-    "adam": ("betas", "eps", "weight_decay"),
-    "lamb": ("betas", "eps", "weight_decay"),
-    "sgd": ("momentum", "nesterov", "weight_decay"),
-    "lars": ("momentum", "nesterov", "weight_decay"),
-}
-
-
 def param_groups(model: nn.Module, no_decay_1d: bool) -> list[dict[str, Any]]:
     """Trainable parameters, split so that biases and norm weights (ndim <= 1) get no decay."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -148,12 +138,14 @@ def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = 
     import kiln.optim
 
     name = optim_cfg.name
-    kwargs = {k: optim_cfg[k] for k in _OPTIM_KWARGS[name] if optim_cfg[k] is not None}
+    cls = kiln.optim.OPTIMIZERS[name]
+    # the keys the class takes (the config refused any other); None means "its default"
+    kwargs = {k: optim_cfg[k] for k in cls.config_options if optim_cfg[k] is not None}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     groups = param_groups(model, optim_cfg.no_decay_1d)
     contiguous = optim_cfg.contiguous if contiguous is None else contiguous
-    return kiln.optim.OPTIMIZERS[name](groups, lr=optim_cfg.lr, contiguous=contiguous, **kwargs)
+    return cls(groups, lr=optim_cfg.lr, contiguous=contiguous, **kwargs)
 
 
 def build_scheduler(optim_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
