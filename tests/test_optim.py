@@ -19,13 +19,7 @@ import kiln.optim as ko  # noqa: E402
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: with 2 threads on a shared 2-core machine, every op can wait a scheduler tick
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 X = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))

@@ -131,6 +131,19 @@ def _whole_step(opt: ko.ArenaOptimizer, ps: list[nn.Parameter], grads, only=None
     opt.step()
 
 
+def _step_alike(whole: ko.ArenaOptimizer, whole_ps: list[nn.Parameter], ranks, steps: range) -> None:
+    """Step the whole optimizer and the ranks' shards on the same gradients; after every step
+    the gathered arenas equal the whole one's bit for bit."""
+    for step in steps:
+        grads = _grads(whole_ps, step)
+        _whole_step(whole, whole_ps, grads)
+        for ps, opt in ranks:
+            _feed(opt, ps, grads)
+        _step(ranks, threaded=False)
+        for k, arena in enumerate(whole.arenas):
+            assert torch.equal(arena.param, ranks[0][1].arenas[k].param), (step, k)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", ["adamw", "adam-amsgrad", "sgd-nesterov", "sgd"])
 def test_shards_step_bitwise_like_the_whole_arena(name, world):
@@ -141,14 +154,7 @@ def test_shards_step_bitwise_like_the_whole_arena(name, world):
     whole_ps = _params(torch.float32, frozen=(2,), cplx=True)
     whole = OPTS[name](_groups(whole_ps), world)
     ranks = _shard_all(name, torch.float32, world, frozen=(2,), cplx=True)
-    for step in range(STEPS):
-        grads = _grads(whole_ps, step)
-        _whole_step(whole, whole_ps, grads)
-        for ps, opt in ranks:
-            _feed(opt, ps, grads)
-        _step(ranks, threaded=False)
-        for k, arena in enumerate(whole.arenas):
-            assert torch.equal(arena.param, ranks[0][1].arenas[k].param), (step, k)
+    _step_alike(whole, whole_ps, ranks, range(STEPS))
     assert torch.equal(whole_ps[2], ranks[0][0][2])  # frozen: never stepped
     sd = whole.state_dict()
     if name == "sgd":
@@ -198,14 +204,7 @@ def test_differing_step_counts_and_a_full_state_dict(order):
             opt.load_state_dict(sd)
             opt.shard(r, world)
         ranks.append((ps, opt))
-    for step in range(2, 2 + STEPS):
-        grads = _grads(whole_ps, step)
-        _whole_step(whole, whole_ps, grads)
-        for ps, opt in ranks:
-            _feed(opt, ps, grads)
-        _step(ranks, threaded=False)
-        for k, arena in enumerate(whole.arenas):
-            assert torch.equal(arena.param, ranks[0][1].arenas[k].param), (step, k)
+    _step_alike(whole, whole_ps, ranks, range(2, 2 + STEPS))
     steps = {idx: int(s["step"]) for idx, s in ranks[1][1].state_dict()["state"].items()}
     assert steps == {idx: int(s["step"]) for idx, s in whole.state_dict()["state"].items()}
     assert sorted(steps.values()) == [STEPS] * 2 + [STEPS + 2] * 4

@@ -44,13 +44,7 @@ SKIP_AT = 1  # the step at which parameter "u" gets no gradient (p.grad is None 
 REL_TOL = {torch.float32: 1e-6, torch.float64: 1e-14}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: with 2 threads on a shared 2-core machine, every op can wait a scheduler tick
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # -- the harness ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import os
 import pathlib
 import statistics
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -87,16 +88,7 @@ def _methods(notes: list[str]) -> dict[str, Callable[[list[torch.nn.Parameter]],
         return run
 
     def kiln_opt(cls, **kw):
-        def build(ps):
-            opt = cls(ps, lr=1e-3, **kw)
-
-            def run():
-                # stands for what backward() does: it tells the optimizer new gradients arrived
-                # (kiln refuses a step that sees none, see kiln.optim._base)
-                opt._flags[-1] = 1
-                opt.step()
-            return run
-        return build
+        return lambda ps: cls(ps, lr=1e-3, **kw).step
 
     methods: dict[str, Callable] = {
         "torch_forloop": torch_adamw(foreach=False),
@@ -133,6 +125,48 @@ def _methods(notes: list[str]) -> dict[str, Callable[[list[torch.nn.Parameter]],
     return methods
 
 
+def _time_layout(name: str, layers: int, width: int, methods: dict[str, Callable], bandwidth: float,
+                 quick: bool) -> dict[str, Any]:
+    """Median step time of every method on one layout, and the ratios against torch's."""
+    big = name == "large" and not quick
+    warmup, repeats = (1, 3) if quick else ((2, 7) if big else (5, 40))
+    n_params = sum(torch.Size(s).numel() for s in _layer_shapes(width)) * layers
+    ms: dict[str, float] = {}
+    if not big:
+        # small: all optimizers alive at once, timed in interleaved rounds, so that load
+        # from other processes drifts over every method alike
+        steps = {}
+        for method, build in methods.items():
+            steps[method] = build(_make_params(layers, width))
+        with torch.no_grad():
+            for method, step in steps.items():
+                _time(step, warmup + (3 if method == "kiln_lamb" else 0), 0)  # first call compiles
+            times: dict[str, list[float]] = {m: [] for m in steps}
+            for _ in range(repeats):
+                for method, step in steps.items():
+                    t0 = time.perf_counter()
+                    step()
+                    times[method].append(time.perf_counter() - t0)
+        ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
+        del steps
+    else:  # large: 1.2 GB per optimizer, one at a time
+        for method, build in methods.items():
+            if "lamb" in method:
+                continue  # the LAMB comparison is made on the small layout
+            params = _make_params(layers, width)
+            step = build(params)
+            with torch.no_grad():
+                ms[method] = _time(step, warmup, repeats)
+            del params, step
+    floor = 7 * 4 * n_params / (bandwidth * 1e9) * 1e3
+    return {
+        "layers": layers, "width": width, "tensors": 16 * layers, "parameters": n_params, "ms": ms,
+        "vs_torch_forloop": {k: ms["torch_forloop"] / v for k, v in ms.items()},
+        "vs_torch_fused": {k: ms["torch_fused"] / v for k, v in ms.items()},
+        "adamw_bandwidth_floor_ms": floor,
+    }
+
+
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict[str, Any]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,46 +179,14 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {
         "torch_version": torch.__version__, "threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()), "copy_bandwidth_gbps": bandwidth,
-        "layouts": {}, "notes": notes,
+        "notes": notes,
     }
-    for name, (layers, width) in layouts.items():
-        big = name == "large" and not quick
-        warmup, repeats = (1, 3) if quick else ((2, 7) if big else (5, 40))
-        n_params = sum(torch.Size(s).numel() for s in _layer_shapes(width)) * layers
-        ms: dict[str, float] = {}
-        if not big:
-            # small: all optimizers alive at once, timed in interleaved rounds, so that load
-            # from other processes drifts over every method alike
-            steps = {}
-            for method, build in methods.items():
-                steps[method] = build(_make_params(layers, width))
-            with torch.no_grad():
-                for method, step in steps.items():
-                    _time(step, warmup + (3 if method == "kiln_lamb" else 0), 0)  # first call compiles
-                times: dict[str, list[float]] = {m: [] for m in steps}
-                for _ in range(repeats):
-                    for method, step in steps.items():
-                        t0 = time.perf_counter()
-                        step()
-                        times[method].append(time.perf_counter() - t0)
-            ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
-            del steps
-        else:  # large: 1.2 GB per optimizer, one at a time
-            for method, build in methods.items():
-                if "lamb" in method:
-                    continue  # the LAMB comparison is made on the small layout
-                params = _make_params(layers, width)
-                step = build(params)
-                with torch.no_grad():
-                    ms[method] = _time(step, warmup, repeats)
-                del params, step
-        floor = 7 * 4 * n_params / (bandwidth * 1e9) * 1e3
-        results["layouts"][name] = {
-            "layers": layers, "width": width, "tensors": 16 * layers, "parameters": n_params, "ms": ms,
-            "vs_torch_forloop": {k: ms["torch_forloop"] / v for k, v in ms.items()},
-            "vs_torch_fused": {k: ms["torch_fused"] / v for k, v in ms.items()},
-            "adamw_bandwidth_floor_ms": floor,
-        }
+    with warnings.catch_warnings():
+        # every method steps again and again on gradients set once, as benchmarks of torch.optim
+        # do; kiln's optimizers warn (once each) that no new gradient arrived between steps
+        warnings.filterwarnings("ignore", message=r"kiln.optim: step\(\) found no new gradient")
+        results["layouts"] = {name: _time_layout(name, layers, width, methods, bandwidth, quick)
+                              for name, (layers, width) in layouts.items()}
     results["targets"] = _targets(results)
     _print_table(results)
     (out_dir / "optimizer.json").write_text(json.dumps(results, indent=2))

@@ -114,10 +114,8 @@ def _held(tensors: list[torch.Tensor]) -> int:
 def _state_bytes(params: list[torch.Tensor], opt: Any) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, in bytes (kiln optimizer in
     arena or multi-tensor mode: arena buffers counted once, padding included)."""
-    grads = [p.grad for p in params if p.grad is not None] + [pk.arena.grad for pk in opt._packs]
-    state = [b for pk in opt._packs for b in pk.state.values()]
-    state += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    return {"param_bytes": _held(params), "grad_bytes": _held(grads), "optim_bytes": _held(state)}
+    grads = [p.grad for p in params if p.grad is not None] + [a.grad for a in opt.arenas]
+    return {"param_bytes": _held(params), "grad_bytes": _held(grads), "optim_bytes": opt.state_bytes()}
 
 
 class _Rss:

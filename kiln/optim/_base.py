@@ -687,10 +687,11 @@ class ArenaOptimizer(Optimizer):
                 for pk in self._packs if pk.shard for pc in pk.shard.arena.pieces if pc.stop > pc.start}
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state (and scratch buffers) this optimizer holds; once sharded,
-        for its shards only."""
+        """Bytes of optimizer state (and scratch buffers) this optimizer holds on this rank:
+        once sharded, its shards only; of a DTensor's state, its local shard."""
         if not self.contiguous:
-            return sum(v.nbytes for st in self.state.values() for v in st.values() if torch.is_tensor(v))
+            return sum(getattr(v, "_local_tensor", v).nbytes
+                       for st in self.state.values() for v in st.values() if torch.is_tensor(v))
         bufs = [b for pk in self._packs + self._shards
                 for b in [*pk.state.values(), *([pk.scratch] if pk.scratch is not None else [])]]
         return sum(b.untyped_storage().nbytes() for b in bufs)
