@@ -1,8 +1,9 @@
 """The fixed namespaces of a kiln config and every key's default.
 
-``model`` is not here: its keys are the options of the chosen model (its dataclass config in
+```model`` is not here: its keys are the options of the chosen model (its dataclass config in
 the registry) or the arguments of a ``_target_``. ``data.args`` likewise holds the keyword
-arguments of the chosen dataset builder. Everything else is declared below, with its type and
+arguments of the chosen dataset builder; a ``data._target_`` (the user's own function that
+returns train and validation datasets) takes every key of ``data`` not declared below. Everything else is declared below, with its type and
 a comment, so that validation can reject unknown keys and wrong types before anything is built.
 """
 
@@ -23,6 +24,11 @@ class DataConfig:
     persistent_workers: Optional[bool] = None  # keep workers between epochs; None: on with workers
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead; None: torch's 2
     drop_last: bool = True  # drop the samples an epoch leaves after its whole global batches; false: a short last step
+    collate_fn: Any = None  # L(fn)(...) or "pkg.module.fn": merges samples into a batch; None: torch's default
+    # what the batches are, for the default loss and metrics; None: the registered data set's
+    # own, or (a data._target_) from the first batch: one target per sample is classification,
+    # one per token lm (mlm: lm with -100 where nothing is masked)
+    task: Optional[Literal["classification", "lm", "mlm"]] = None
 
 
 @dataclass
@@ -68,13 +74,22 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per optimizer step, each data.batch_size / accumulate
     clip_grad_norm: Optional[float] = None  # clip the global gradient norm (after unscaling)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks
-    ac_every: int = 2  # selective checkpointing: every ac_every-th block of model.blocks
+    ac_every: int = 2  # selective checkpointing: every ac_every-th of the repeated blocks
+    # dotted path of the model's repeated blocks (e.g. transformer.h); None: found by kiln, the
+    # largest ModuleList or Sequential of children of one type
+    ac_blocks: Optional[str] = None
     compile: bool = False  # torch.compile the model (inductor C++ on CPU, Triton on GPU)
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
     keep_checkpoints: int = 3  # periodic checkpoints kept (final.pt and best.pt always are)
     loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])  # csv always on
     early_stopping: Optional[EarlyStoppingConfig] = None  # e.g. {metric: eval_accuracy, mode: max}
+    # L(fn)(...) with fn(outputs, batch, **kwargs) -> scalar loss (or a class whose instances are
+    # such callables); None: the loss the model returns, else the task's cross-entropy on logits
+    loss: Any = None
+    # {name: L(fn)(...)} with fn(outputs, batch, **kwargs) -> the batch's mean value, averaged
+    # over the validation set by samples; None: the task's (accuracy; lm and mlm: + perplexity)
+    metrics: Optional[dict] = None
 
 
 @dataclass
