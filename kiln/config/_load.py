@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import os
-import runpy
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from kiln.config._lazy import locate
+from kiln.config._lazy import add_user_dir, file_module_name, locate, target_path
 from kiln.config._schema import NAMESPACES
 from kiln.config._types import ConfigError, coerce, coerce_dataclass, type_name
 
@@ -48,16 +49,34 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def _read_python(path: Path) -> dict[str, Any]:
+    """Run the config file as a module of its own (``file_module_name``), so that functions
+    and classes defined in it have a module ``target_path`` can name; its directory goes
+    first on sys.path and stays there (the run builds the model later, in this process), so
+    that modules beside it import as they would for a script."""
+    path = path.resolve()
+    add_user_dir(path.parent)
+    name = file_module_name(path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    sys.modules[name] = module  # before it runs: a dataclass defined in it looks its module up
     try:
-        namespace = runpy.run_path(str(path), run_name="__kiln_config__")
+        # compiled from the text, not through the import system: no __pycache__ beside the
+        # config, and no stale bytecode when a file is rewritten within the same second;
+        # dont_inherit: this module's `from __future__ import annotations` is not the config's
+        exec(compile(path.read_bytes(), str(path), "exec", dont_inherit=True), module.__dict__)
     except Exception as exc:  # the user's code: report it as a config problem, with its location
-        raise ConfigError(f"error while running config file {path}: {type(exc).__name__}: {exc}") from exc
+        sys.modules.pop(name, None)
+        raise ConfigError(f"error while running config file {path}: {type(exc).__name__}: {_first_line(exc)}") from exc
     tree: dict[str, Any] = {}
-    for name, value in namespace.items():
-        if name.startswith("_") or not isinstance(value, dict):
+    for key, value in vars(module).items():
+        if key.startswith("_") or not isinstance(value, dict):
             continue  # imports, helper variables and functions are not namespaces
-        tree[name] = copy.deepcopy(value)
+        tree[key] = copy.deepcopy(value)
     return tree
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -117,29 +136,149 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_signature(values: dict[str, Any], fn: Any, where: str, skip: tuple[str, ...] = ()) -> None:
+# Keys of Hydra's instantiate that kiln's does not read (it always builds nested nodes first and
+# returns plain dicts and lists).
+_HYDRA_KEYS = ("_args_", "_partial_", "_recursive_", "_convert_")
+
+
+def _is_node(value: Any) -> bool:
+    return isinstance(value, dict) and "_target_" in value
+
+
+def _has_node(value: Any) -> bool:
+    if _is_node(value):
+        return True
+    if isinstance(value, dict):
+        return any(_has_node(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_node(v) for v in value)
+    return False
+
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to check
+
+
+def _check_signature(values: dict[str, Any], fn: Any, where: str, skip: tuple[str, ...] = (),
+                     also: tuple[str, ...] = ()) -> None:
     """Check ``values`` against the keyword arguments of ``fn`` (a callable or a Signature):
-    unknown keys are errors, and annotated arguments get their type checked."""
-    if isinstance(fn, inspect.Signature):
-        sig = fn
-    else:
-        try:
-            sig = inspect.signature(fn)
-        except (TypeError, ValueError):
-            return  # a builtin without a signature: nothing to check
+    unknown keys are errors, annotated arguments get their type checked, and a value holding
+    ``_target_`` nodes has each node checked against its own target instead (a node is never
+    coerced by the annotation: it is built before the call). ``also``: other valid keys of
+    ``where``, named in suggestions."""
+    sig = fn if isinstance(fn, inspect.Signature) else _signature(fn)
+    if sig is None:
+        for key, value in values.items():
+            values[key] = _validate_nodes(value, f"{where}.{key}")
+        return
     params = sig.parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    names = [n for n in params if n not in skip]
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [n for n, p in params.items() if p.kind in keyword and n not in skip]
     for key, value in values.items():
-        if key.startswith("_") or key in skip:
+        if key == "_target_" or key in skip:
             continue
-        if key not in params:
-            if open_ended:
+        if key not in names:
+            if open_ended:  # **kwargs takes it
+                values[key] = _validate_nodes(value, f"{where}.{key}")
                 continue
-            raise ConfigError(f"unknown key {where}.{key}" + _suggest(key, names, f"{where}.") + f" (valid keys: {', '.join(names)})")
+            valid = [*names, *also]
+            raise ConfigError(f"unknown key {where}.{key}" + _suggest(key, valid, f"{where}.")
+                              + f" (valid keys: {', '.join(valid)})")
+        if _has_node(value):
+            values[key] = _validate_nodes(value, f"{where}.{key}")
+            continue
         annotation = params[key].annotation
         if annotation is not inspect.Parameter.empty and not isinstance(annotation, str):
             values[key] = coerce(value, annotation, f"{where}.{key}")
+
+
+def _validate_nodes(value: Any, where: str) -> Any:
+    """``value`` with every ``_target_`` node in it checked (dicts and lists around them kept)."""
+    if _is_node(value):
+        return _validate_node(value, where)
+    if isinstance(value, dict):
+        return {k: _validate_nodes(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_validate_nodes(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def _locate_target(target: Any, label: str) -> tuple[str, Any]:
+    """``(path, object)`` of a target; ``label`` names it in errors (``model._target_``)."""
+    if callable(target) and not isinstance(target, str):  # a Python config may give the object itself
+        target = target_path(target)
+    if not isinstance(target, str):
+        raise ConfigError(f"{label}={target!r} must be an import path: 'package.module.function', or "
+                          "L(function)(...) for a function defined in the config file or a module beside it")
+    try:
+        fn = locate(target)
+    except ImportError as exc:
+        raise ConfigError(f"{label}={target!r} cannot be imported: {_first_line(exc)}") from exc
+    if not callable(fn):
+        raise ConfigError(f"{label}={target!r} is a {type(fn).__name__}, not a function or a class")
+    return target, fn
+
+
+def _validate_node(node: dict[str, Any], where: str, positional: tuple[str, ...] = (),
+                   skip: tuple[str, ...] = (), also: tuple[str, ...] = (), label: str | None = None) -> dict[str, Any]:
+    """A ``{"_target_": path, **kwargs}`` node, checked: the target imports, and its kwargs
+    (nested nodes recursively) fit its signature, required arguments included. A function
+    target is called later as ``fn(*positional, **kwargs)``, so its first parameters are kiln's;
+    a class target's kwargs are its constructor's. ``skip``: arguments kiln passes itself."""
+    target, fn = _locate_target(node["_target_"], label or f"{where}._target_")
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    for key in kwargs:
+        if key in _HYDRA_KEYS:
+            raise ConfigError(f"{where}.{key} is a Hydra instantiate option that kiln does not read (nested nodes "
+                              f"are always built first, into plain dicts and lists); remove {where}.{key}")
+    sig = _signature(fn)
+    if sig is not None and positional and inspect.isclass(fn):
+        if not any("__call__" in vars(k) for k in fn.__mro__ if k is not object):
+            raise ConfigError(f"{where}: instances of {target} are not callable; kiln calls {where} as "
+                              f"fn({', '.join(positional)}): give a function, or a class with __call__")
+    elif sig is not None and positional:
+        params = list(sig.parameters.values())
+        takes = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        if len(takes) < len(positional) and not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            raise ConfigError(f"{where}: {target} takes {len(takes)} positional argument(s), but kiln calls it as "
+                              f"fn({', '.join(positional)}, **kwargs); give it those parameters first")
+        consumed = [p.name for p in takes[: len(positional)]]
+        for key in kwargs:
+            if key in consumed:
+                raise ConfigError(f"{where}.{key}: kiln passes {target}'s first argument(s) "
+                                  f"({', '.join(positional)}) when it calls it; remove {where}.{key}")
+        sig = sig.replace(parameters=[p for p in params if p.name not in consumed])
+    if sig is None:
+        kwargs = {k: _validate_nodes(v, f"{where}.{k}") for k, v in kwargs.items()}
+    else:
+        _check_signature(kwargs, sig, where, skip=skip, also=also)
+        missing = [n for n, p in sig.parameters.items() if p.default is p.empty and n not in kwargs and n not in skip
+                   and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+        if missing:
+            raise ConfigError(f"{where}.{missing[0]} is missing: {target} requires {', '.join(missing)}; "
+                              f"set {where}.{missing[0]}=...")
+    return {"_target_": target, **kwargs}
+
+
+def _validate_callable(value: Any, where: str, positional: tuple[str, ...]) -> Any:
+    """A key whose value kiln calls later as ``fn(*positional, **kwargs)`` (``build_callable``):
+    None, an import path, or a node; a function or class object (a Python config) becomes its path."""
+    if value is None:
+        return None
+    if callable(value) and not isinstance(value, (str, dict)):
+        value = target_path(value)
+    if isinstance(value, str):
+        _validate_node({"_target_": value}, where, positional, label=where)
+        return value
+    if _is_node(value):
+        return _validate_node(value, where, positional)
+    raise ConfigError(f"{where}={value!r} must be an import path ('package.module.function'), L(function)(...) "
+                      f"or null; kiln calls it as fn({', '.join(positional)}, **kwargs)")
 
 
 def _validate_model(node: Any) -> dict[str, Any]:
@@ -150,12 +289,10 @@ def _validate_model(node: Any) -> dict[str, Any]:
         )
     node = dict(node)
     target = node.get("_target_")
-    if target is not None and not isinstance(target, str):
-        raise ConfigError(f"model._target_ must be a dotted import path string, got {target!r}")
-    try:
-        fn = None if target is None else locate(target)
-    except ImportError as exc:
-        raise ConfigError(f"model._target_={target!r} cannot be imported: {exc}") from exc
+    fn = None
+    if target is not None:
+        target, fn = _locate_target(target, "model._target_")
+        node["_target_"] = target
     from kiln.models import create_model
 
     if fn is None or fn is create_model:
@@ -177,8 +314,7 @@ def _validate_model(node: Any) -> dict[str, Any]:
         # Every option written out, so config.yaml shows the whole model, defaults included.
         head = {"_target_": target} if target is not None else {}
         return {**head, "name": name, **{f.name: getattr(resolved, f.name) for f in dataclasses.fields(cls)}}
-    _check_signature(node, fn, "model")
-    return node
+    return _validate_node(node, "model")
 
 
 def _validate_data(values: dict[str, Any]) -> dict[str, Any]:
@@ -187,8 +323,49 @@ def _validate_data(values: dict[str, Any]) -> dict[str, Any]:
     name = values["name"]
     if name not in list_datasets():
         raise ConfigError(f"unknown data set {name!r} in data.name" + _suggest(name, list_datasets(), "") + f" (available: {', '.join(list_datasets())})")
+    if "seed" in values["args"]:
+        raise ConfigError("data.args.seed is passed by kiln (it is train.seed); remove data.args.seed and set "
+                          "train.seed")
     _check_signature(values["args"], dataset_signature(name), "data.args", skip=("seed",))
     return values
+
+
+def _validate_data_target(given: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a ``_target_``: the keys that are ``DataConfig``'s go to the loader (typed,
+    defaults filled), every other key is an argument of the target. Returns
+    ``{"_target_", **target kwargs, **loader keys}`` (no name, no args)."""
+    from kiln.config._schema import DataConfig
+
+    loader_keys = tuple(f.name for f in dataclasses.fields(DataConfig) if f.name not in ("name", "args"))
+    for key in ("name", "args"):
+        if key in given:
+            raise ConfigError(f"data.{key} is set together with data._target_: a data._target_ replaces "
+                              f"data.name/data.args (its arguments are data's other keys); remove data.{key}")
+    if "seed" in given:
+        raise ConfigError("data.seed is passed by kiln to a data._target_ that takes it (it is train.seed); "
+                          "remove data.seed and set train.seed")
+    loader = coerce_dataclass({k: v for k, v in given.items() if k in loader_keys}, DataConfig, "data")
+    node = _validate_node({k: v for k, v in given.items() if k not in loader_keys}, "data", skip=("seed",),
+                          also=loader_keys)
+    return {**node, **{k: loader[k] for k in loader_keys}}
+
+
+def _validate_metrics(metrics: Any) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    if _is_node(metrics) or not isinstance(metrics, dict):
+        raise ConfigError(f"train.metrics={metrics!r} must map names to metrics, e.g. train.metrics = "
+                          "{'f1': L(f1_score)(average='macro')}, or be null for the task's own")
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"train.metrics name {name!r} must be an identifier (letters, digits, _): it "
+                              "is reported as eval_<name>; rename it")
+        if name == "loss":
+            raise ConfigError("train.metrics.loss: the eval loss is always reported (train.loss sets how it is "
+                              "computed); give the metric another name")
+        out[name] = _validate_callable(value, f"train.metrics.{name}", ("outputs", "batch"))
+    return out
 
 
 def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +417,9 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
     if stopping is not None:
         if not train["eval_every"]:
             raise ConfigError("train.early_stopping needs evaluations: set train.eval_every=N (steps between them)")
-        allowed = ("eval_loss", "eval_accuracy")
+        # the metrics evaluation reports: train.metrics replace the task's accuracy
+        metrics = train["metrics"]
+        allowed = ("eval_loss", *(f"eval_{m}" for m in (metrics if metrics is not None else ["accuracy"])))
         if stopping["metric"] not in allowed:
             raise ConfigError(f"train.early_stopping.metric={stopping['metric']!r} is not an eval metric"
                               + _suggest(stopping["metric"], allowed, "") + f" (choose from {', '.join(allowed)})")
@@ -284,8 +463,15 @@ def validate(tree: dict[str, Any]) -> dict[str, Any]:
         given = tree.get(name) or {}
         if not isinstance(given, dict):
             raise ConfigError(f"namespace {name!r} must be a mapping of keys, got {given!r}")
-        out[name] = coerce_dataclass(given, cls, name)
-    _validate_data(out["data"])
+        if name == "data" and "_target_" in given:
+            out[name] = _validate_data_target(given)
+        else:
+            out[name] = coerce_dataclass(given, cls, name)
+    if "_target_" not in out["data"]:
+        _validate_data(out["data"])
+    out["data"]["collate_fn"] = _validate_callable(out["data"]["collate_fn"], "data.collate_fn", ("samples",))
+    out["train"]["loss"] = _validate_callable(out["train"]["loss"], "train.loss", ("outputs", "batch"))
+    out["train"]["metrics"] = _validate_metrics(out["train"]["metrics"])
     _validate_optim(out["optim"])
     _validate_cross(out)
     return out
