@@ -1,7 +1,10 @@
 """Activation checkpointing applied from outside the model: ``apply_ac(model, mode, every)``.
 
-Every kiln model keeps its repeated blocks in ``model.blocks`` (an ``nn.ModuleList``).
-``apply_ac`` makes chosen blocks *checkpointed*: their forward runs without keeping
+The repeated blocks are found by :func:`kiln.models.repeated_blocks`: kiln's models keep them
+in ``model.blocks``; in any other model they are the largest ``nn.ModuleList`` or
+``nn.Sequential`` of children of one type (an HF GPT-2's ``transformer.h``, a Llama's
+``model.layers``, a timm ViT's ``blocks``), or the dotted path given as ``blocks=``
+(``train.ac_blocks``). ``apply_ac`` makes chosen blocks *checkpointed*: their forward runs without keeping
 intermediate activations, and the backward pass recomputes them from the block input.
 Activation memory drops from "every intermediate of every block" to "one input per
 checkpointed block, plus one block's intermediates during its recompute", at the price of
@@ -64,16 +67,14 @@ class _CheckpointedForward:
         )
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        found = "has no attribute 'blocks'" if blocks is None else f"has blocks of type {type(blocks).__name__}"
-        raise TypeError(
-            f"apply_ac needs a model whose repeated layers are in `model.blocks` (an nn.ModuleList); "
-            f"{type(model).__name__} {found}. Put the transformer blocks in an nn.ModuleList named "
-            f"`blocks`, or pass the submodule that holds them."
-        )
-    return blocks
+def _blocks(model: nn.Module, path: str | None = None) -> nn.ModuleList | nn.Sequential:
+    from kiln.models import repeated_blocks
+
+    try:
+        return repeated_blocks(model, path)
+    except TypeError as exc:
+        raise TypeError(f"activation checkpointing needs the model's repeated blocks: {exc}. Name them with "
+                        "train.ac_blocks=dotted.path (an nn.ModuleList or nn.Sequential of blocks).") from None
 
 
 def _is_checkpointed(block: nn.Module) -> bool:
@@ -81,19 +82,21 @@ def _is_checkpointed(block: nn.Module) -> bool:
 
 
 def remove_ac(model: nn.Module) -> None:
-    """Undo :func:`apply_ac`: every block of ``model.blocks`` runs its plain forward again."""
-    for block in _blocks(model):
-        if _is_checkpointed(block):
-            del block.forward  # the class's forward shows through again
+    """Undo :func:`apply_ac`: every checkpointed module runs its plain forward again."""
+    for module in model.modules():
+        if _is_checkpointed(module):
+            del module.forward  # the class's forward shows through again
 
 
-def checkpointed_blocks(model: nn.Module) -> list[int]:
-    """Indices of the blocks of ``model.blocks`` that run under activation checkpointing."""
-    return [i for i, block in enumerate(_blocks(model)) if _is_checkpointed(block)]
+def checkpointed_blocks(model: nn.Module, blocks: str | None = None) -> list[int]:
+    """Indices of the repeated blocks (``blocks``: their dotted path) that run under activation
+    checkpointing."""
+    return [i for i, block in enumerate(_blocks(model, blocks)) if _is_checkpointed(block)]
 
 
-def apply_ac(model: nn.Module, mode: str = "full", every: int = 2) -> list[int]:
-    """Checkpoint blocks of ``model.blocks`` in place; returns the indices checkpointed.
+def apply_ac(model: nn.Module, mode: str = "full", every: int = 2, blocks: str | None = None) -> list[int]:
+    """Checkpoint repeated blocks of ``model`` in place (``blocks``: their dotted path, found
+    by :func:`kiln.models.repeated_blocks` when None); returns the indices checkpointed.
 
     ``mode`` is ``"none"``, ``"full"`` (every block) or ``"selective"`` (blocks 0, every,
     2*every, ...). Calling it again replaces the previous choice, so ``apply_ac(m, "none")``
@@ -107,14 +110,14 @@ def apply_ac(model: nn.Module, mode: str = "full", every: int = 2) -> list[int]:
         raise ValueError(f"apply_ac: mode={mode!r} is not one of {', '.join(map(repr, AC_MODES))}")
     if mode == "selective" and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"apply_ac: every={every!r} must be a positive integer")
-    blocks = _blocks(model)
+    found = _blocks(model, blocks)
     remove_ac(model)
     if mode == "none":
         return []
     step = 1 if mode == "full" else every
-    chosen = list(range(0, len(blocks), step))
+    chosen = list(range(0, len(found), step))
     for i in chosen:
         # An instance attribute shadows the class's forward; nn.Module.__call__ looks up
         # self.forward, so hooks still run around the checkpointed call.
-        blocks[i].forward = _CheckpointedForward(blocks[i])
+        found[i].forward = _CheckpointedForward(found[i])
     return chosen

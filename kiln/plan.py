@@ -20,6 +20,19 @@ def _state_tensors(optim_cfg: Any) -> int:
     return len(cls.state_names_for(**{k: optim_cfg[k] for k in cls.config_options}))
 
 
+def _data_line(dc: Any) -> str:
+    """A registered data set and its arguments, or the config's data._target_ and its own."""
+    if "_target_" in dc:
+        from dataclasses import fields
+
+        from kiln.config import DataConfig
+
+        loader = {f.name for f in fields(DataConfig)}
+        args = {k: v for k, v in dc.items() if k not in loader and k != "_target_"}
+        return f"{dc._target_}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+    return f"{dc.name} {dict(dc.args) or ''}".rstrip()
+
+
 def _mb(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:,.1f} MB"
 
@@ -79,7 +92,7 @@ def describe(cfg: Any, world: int | None = None) -> str:
         f"batch       {dc.batch_size} samples per step = {tc.accumulate} micro-batch(es) of {micro}",
         f"optimizer   {cfg.optim.name} lr {cfg.optim.lr:g}, schedule {cfg.optim.schedule}, "
         f"contiguous arena {'on' if cfg.optim.contiguous else 'off'}",
-        f"data        {dc.name} {dict(dc.args) or ''}".rstrip(),
+        f"data        {_data_line(dc)}",
         "length      " + (f"{tc.max_steps} steps" if tc.max_steps is not None else f"{tc.epochs} epochs"),
     ]
     pc = cfg.parallel

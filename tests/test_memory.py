@@ -101,8 +101,66 @@ def test_modes_none_and_remove_and_copy():
     assert checkpointed_blocks(model) == []
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class _OutsideModel(nn.Module):
+    """Laid out like models from outside kiln: the blocks are not at model.blocks, and other
+    containers of one type (the stem's two Linears, the short head list) must not be chosen."""
+
+    def __init__(self, width: int = 8, depth: int = 4, sequential: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+        blocks = [_Block(width) for _ in range(depth)]
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.Sequential(*blocks) if sequential else nn.ModuleList(blocks)
+        self.heads = nn.ModuleList([nn.Linear(width, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if isinstance(self.encoder.layers, nn.Sequential):
+            x = self.encoder.layers(x)
+        else:
+            for block in self.encoder.layers:
+                x = block(x)
+        return self.heads[0](x)
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_ac_finds_the_repeated_blocks_of_a_model_from_outside_kiln(sequential):
+    from kiln.models import repeated_blocks
+
+    torch.manual_seed(0)
+    plain = _OutsideModel(sequential=sequential)
+    model = copy.deepcopy(plain)
+    assert repeated_blocks(model) is model.encoder.layers  # the 4 blocks, not the stem's 2 or the head's 1
+    calls = []
+    for i, block in enumerate(model.encoder.layers):
+        block.norm.register_forward_hook(lambda *_, i=i: calls.append(i))
+    assert apply_ac(model, "full") == [0, 1, 2, 3]
+    x = torch.randn(5, 8)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert sorted(calls) == [0, 0, 1, 1, 2, 2, 3, 3]  # each block ran again in backward
+    for (name, a), (other, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert name == other and torch.equal(a.grad, b.grad), name  # names unchanged, gradients bitwise
+    # train.ac_blocks names another container where the guess is wrong
+    assert apply_ac(model, "full", blocks="stem") == [0, 1]
+    assert checkpointed_blocks(model, "stem") == [0, 1] and checkpointed_blocks(model) == []
+    with pytest.raises(TypeError, match="train.ac_blocks"):
+        apply_ac(model, "full", blocks="encoder.nothing")
+    with pytest.raises(TypeError, match="not an nn.ModuleList or nn.Sequential"):
+        apply_ac(model, "full", blocks="heads.0")
+
+
 def test_clear_errors():
-    with pytest.raises(TypeError, match="model.blocks"):
+    with pytest.raises(TypeError, match="no repeated blocks.*train.ac_blocks"):
         apply_ac(nn.Linear(2, 2), "full")
     with pytest.raises(ValueError, match="mode"):
         apply_ac(_vit(), "everything")

@@ -121,7 +121,7 @@ def test_accumulation_equals_the_whole_batch_in_float64(tmp_path):
 
 
 def test_fp64_runs_compute_the_loss_and_its_gradient_in_float64():
-    from kiln.train._tasks import evaluate, loss_from_logits
+    from kiln.train._tasks import Task, evaluate, loss_from_logits
 
     torch.manual_seed(0)
     logits = (torch.randn(32, 10, dtype=torch.float64) * 30).requires_grad_()  # large: fp32 would round
@@ -137,7 +137,7 @@ def test_fp64_runs_compute_the_loss_and_its_gradient_in_float64():
 
     model = nn.Linear(10, 10).double()
     data = [(torch.randn(16, 10, dtype=torch.float64) * 30, torch.randint(0, 10, (16,))) for _ in range(2)]
-    metrics = evaluate("classification", model, data, torch.device("cpu"), torch.float64)
+    metrics = evaluate(Task("classification"), model, data, torch.device("cpu"), torch.float64)
     with torch.no_grad():
         total = sum(nn.functional.cross_entropy(model(x), y, reduction="sum") for x, y in data)
     assert metrics["loss"] == pytest.approx(total.item() / 32, rel=1e-15)

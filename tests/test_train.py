@@ -89,7 +89,7 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
     import kiln.train.loop as loop
 
     calls = {"n": 0}
-    real = loop.loss_fn
+    real = loop.micro_batch_loss
 
     def flaky(*args):
         calls["n"] += 1
@@ -97,7 +97,7 @@ def test_failed_run_is_marked_failed(tmp_path, monkeypatch):
             raise RuntimeError("injected failure")
         return real(*args)
 
-    monkeypatch.setattr(loop, "loss_fn", flaky)
+    monkeypatch.setattr(loop, "micro_batch_loss", flaky)
     with pytest.raises(RuntimeError, match="injected failure"):
         main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=10"])
     (run,) = tmp_path.iterdir()

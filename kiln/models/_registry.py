@@ -113,21 +113,52 @@ def models_with(capability: str) -> list[str]:
     return sorted(name for name, plan in _PLANS.items() if capability in plan.capabilities)
 
 
-def repeated_blocks(model: nn.Module) -> nn.ModuleList:
-    """The ``nn.ModuleList`` of ``model``'s repeated blocks: where its family's pipeline plan
-    says, else kiln's convention, ``model.blocks``. Raises TypeError naming both if neither holds."""
+def repeated_blocks(model: nn.Module, path: str | None = None) -> nn.ModuleList | nn.Sequential:
+    """``model``'s repeated blocks (the layers activation checkpointing and FSDP2 wrap one by one):
+
+    - at ``path`` (dotted, e.g. ``transformer.h``) when given;
+    - else where its family's pipeline plan says, or at kiln's convention, ``model.blocks``;
+    - else the largest ``nn.ModuleList`` or ``nn.Sequential`` whose children are all of one
+      type (an HF GPT-2's ``transformer.h``, a Llama's ``model.layers``, a timm ViT's ``blocks``),
+      the one holding the most parameters among equally long ones.
+
+    Raises TypeError saying what was found and how to name the blocks."""
+    if path is not None:
+        try:
+            blocks = model.get_submodule(path)
+        except AttributeError:
+            raise TypeError(f"{type(model).__name__} has no submodule {path!r}") from None
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not len(blocks):
+            raise TypeError(f"{type(model).__name__}.{path} is a {type(blocks).__name__}, not an nn.ModuleList or "
+                            "nn.Sequential of blocks")
+        return blocks
     plan = find_plan(model)
-    path = plan.pp.repeated if plan is not None and plan.pp is not None else "blocks"
+    conventional = plan.pp.repeated if plan is not None and plan.pp is not None else "blocks"
     try:
-        blocks = model.get_submodule(path)
+        blocks = model.get_submodule(conventional)
     except AttributeError:
         blocks = None
-    if not isinstance(blocks, nn.ModuleList):
-        found = "has none" if blocks is None else f"has a {type(blocks).__name__} there"
-        raise TypeError(f"{type(model).__name__} keeps no repeated blocks in an nn.ModuleList at model.{path} "
-                        f"(kiln's convention is model.blocks; a family's pipeline plan may name another path); "
-                        f"it {found}")
-    return blocks
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    found = _largest_uniform_container(model)
+    if found is None:
+        raise TypeError(f"{type(model).__name__} has no repeated blocks: no nn.ModuleList or nn.Sequential whose "
+                        "children are all of one type")
+    return found
+
+
+def _largest_uniform_container(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    best, best_key = None, (0, 0)
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or not len(module):
+            continue
+        children = list(module.children())
+        if len({type(c) for c in children}) != 1:
+            continue
+        key = (len(children), sum(p.numel() for p in module.parameters()))
+        if key > best_key:  # strictly larger: the first found (the outermost) wins a tie
+            best, best_key = module, key
+    return best
 
 
 def list_models() -> list[str]:

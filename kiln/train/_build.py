@@ -65,7 +65,7 @@ def check_model(cfg: Any, model: nn.Module | None = None) -> None:
         except Exception:  # noqa: BLE001  (the run builds it for real and checks it then)
             return
     try:
-        apply_ac(model, "none")  # finds the blocks, changes nothing
+        apply_ac(model, "none", blocks=cfg.train.ac_blocks)  # finds the blocks, changes nothing
     except TypeError as exc:
         raise ConfigError(f"train.activation_checkpointing={mode} cannot be applied: {exc} "
                           "Or train without it: train.activation_checkpointing=none") from None
@@ -80,8 +80,7 @@ class Data:
 
     train: torch.utils.data.DataLoader  # yields this rank's micro-batches of whole steps
     val: torch.utils.data.DataLoader
-    task: str  # "classification", "lm" or "mlm"
-    num_classes: int
+    task: str | None  # "classification", "lm", "mlm", or None (not known: only the loss is reported)
 
 
 def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.device,
@@ -90,30 +89,104 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
     rank and the number of them (tensor-parallel and pipeline ranks of one replica share its
     data), ``accumulate``: micro-batches per step per rank. ``data.batch_size`` is the global
     batch of one step: see :class:`kiln.data.StepSampler`."""
+    from kiln.config import build_callable
+    from kiln.data import build_loader
     from kiln.errors import ConfigError
-    from kiln.data import build_dataset, build_loader
 
-    splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))
+    train_set, val_set, task = _data_splits(data_cfg, seed)
+    collate_fn = build_callable(data_cfg.collate_fn)
     pin = data_cfg.pin_memory
     pin = device.type == "cuda" if pin == "auto" else pin
     try:
         train = build_loader(
-            splits.train, data_cfg.batch_size, accumulate=accumulate,
-            shuffle=not isinstance(splits.train, torch.utils.data.IterableDataset),
+            train_set, data_cfg.batch_size, accumulate=accumulate,
+            shuffle=not isinstance(train_set, torch.utils.data.IterableDataset),
             seed=seed, drop_last=data_cfg.drop_last, workers=data_cfg.workers, pin_memory=pin,
             persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor,
-            rank=rank, world_size=world_size,
+            rank=rank, world_size=world_size, collate_fn=collate_fn,
         )
     except ValueError as exc:  # the plan of steps does not fit the data set: name the keys
         raise ConfigError(
             f"data.batch_size={data_cfg.batch_size} with train.accumulate={accumulate} over {world_size} "
-            f"data-parallel rank(s) does not fit the {len(splits.train)} training samples: "
+            f"data-parallel rank(s) does not fit the {len(train_set)} training samples: "
             f"{str(exc).split(': ', 1)[-1]}".replace("drop_last", "data.drop_last")
         ) from None
     # Every rank evaluates the whole validation set: metrics need no reduction across ranks.
-    val = build_loader(splits.val, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0,
-                       pin_memory=pin, rank=0, world_size=1)
-    return Data(train=train, val=val, task=splits.task, num_classes=splits.num_classes)
+    val = build_loader(val_set, data_cfg.eval_batch_size, shuffle=False, seed=seed, workers=0,
+                       pin_memory=pin, rank=0, world_size=1, collate_fn=collate_fn)
+    return Data(train=train, val=val, task=task)
+
+
+def _data_splits(data_cfg: Any, seed: int) -> tuple[Any, Any, str | None]:
+    """``(train, validation, task)``: a registered data set (``data.name``), or what the
+    config's ``data._target_`` returns (``seed`` passed when it takes one)."""
+    from kiln.data import build_dataset
+    from kiln.train._tasks import infer_kind
+
+    if "_target_" not in data_cfg:
+        splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))
+        return splits.train, splits.val, data_cfg.task or splits.task
+    import inspect
+    from dataclasses import fields
+
+    from kiln.config import DataConfig, instantiate, locate
+    from kiln.errors import ConfigError
+
+    loader_keys = {f.name for f in fields(DataConfig)}
+    node = {k: v for k, v in dict(data_cfg).items() if k not in loader_keys}
+    target = data_cfg["_target_"]
+    fn = locate(target)
+    try:
+        takes_seed = "seed" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes_seed = False
+    made = instantiate({**node, **({"seed": seed} if takes_seed else {})})
+    train, val = _two_splits(made, target)
+    train, val = _torch_format(train), _torch_format(val)
+    kind = data_cfg.task or infer_kind(train)
+    for name, ds in (("train", train), ("validation", val)):
+        if not isinstance(ds, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)) and not (
+                hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise ConfigError(f"data._target_={target} returned a {name} set of type {type(ds).__name__}, which "
+                              "is not a dataset: return torch Datasets (map-style or iterable) or Hugging Face "
+                              "datasets.Dataset objects")
+    return train, val, kind
+
+
+def _two_splits(made: Any, target: str) -> tuple[Any, Any]:
+    """``(train, val)`` from a pair, a mapping with ``train`` and ``validation``/``val``/``test``
+    (a ``DatasetDict``), or an object with ``.train`` and ``.val``."""
+    from kiln.errors import ConfigError
+
+    if isinstance(made, (tuple, list)) and len(made) == 2:
+        return made[0], made[1]
+    if hasattr(made, "keys") and "train" in made.keys():
+        for key in ("validation", "val", "test"):
+            if key in made.keys():
+                return made["train"], made[key]
+    if hasattr(made, "train") and hasattr(made, "val"):
+        return made.train, made.val
+    raise ConfigError(f"data._target_={target} returned {type(made).__name__}; return (train, validation) "
+                      "datasets, or a mapping with 'train' and 'validation' (a DatasetDict)")
+
+
+def _torch_format(dataset: Any) -> Any:
+    """A Hugging Face ``datasets.Dataset`` yields Python lists; with torch format, tensors."""
+    with_format = getattr(dataset, "with_format", None)
+    if callable(with_format) and getattr(dataset, "format", {}).get("type") is None:
+        return with_format("torch")
+    return dataset
+
+
+def build_task(cfg: Any, data: "Data") -> Any:
+    """The run's :class:`~kiln.train._tasks.Task`: the data's kind, ``train.loss`` and
+    ``train.metrics`` built from the config."""
+    from kiln.config import build_callable
+    from kiln.train._tasks import Task
+
+    metrics = cfg.train.metrics
+    return Task(kind=data.task, loss=build_callable(cfg.train.loss),
+                metrics=None if metrics is None else {k: build_callable(v) for k, v in metrics.items()})
 
 
 # --------------------------------------------------------------------------- optimizer

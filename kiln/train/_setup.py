@@ -31,6 +31,7 @@ from kiln.train._build import (
     build_model,
     build_optimizer,
     build_scheduler,
+    build_task,
     check_model,
     pick_device,
     seed_everything,
@@ -40,7 +41,7 @@ from kiln.train._checkpoint import checkpoint_to_resume, load_into, set_rng_stat
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
 from kiln.train._run_dir import CONFIG, RunDir
-from kiln.train._tasks import loss_from_logits, metric_names
+from kiln.train._tasks import Task, loss_from_logits
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -95,6 +96,7 @@ class Run:
     device: torch.device
     precision: Precision
     data: Data
+    task: Task  # how a batch becomes a loss, and the eval metrics
     par: Parallel  # this rank's part of the model and the layout's pieces of a step
     model: nn.Module  # what forward calls: par.model, compiled with train.compile
     optimizer: torch.optim.Optimizer  # kiln's optimizer, or ZeRO-1/2 around it
@@ -146,6 +148,7 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
     data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
                       rank=coords["dp"], world_size=dp)
+    task = build_task(cfg, data)
     per_epoch = steps_per_epoch(data.train, tc.accumulate)
     _check_steps(cfg, data, layout, per_epoch)
     model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
@@ -154,7 +157,7 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac
 
-        apply_ac(model, tc.activation_checkpointing, every=tc.ac_every)
+        apply_ac(model, tc.activation_checkpointing, every=tc.ac_every, blocks=tc.ac_blocks)
     # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; par.model
     # is this rank's part, under the whole model's parameter names. The pipeline schedule
     # calls the loss itself, once per micro-batch: divided by K, as train_step divides it.
@@ -230,7 +233,7 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                           resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
     out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                       "samples_per_second", "peak_memory_mb", "wall_seconds",
-                      *(f"eval_{m}" for m in metric_names(data.task))])
+                      *(f"eval_{m}" for m in task.metric_names())])
     loggers = [TensorBoardLogger(out.path / "tensorboard")] if "tensorboard" in tc.loggers else []
     progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
     shown_layout = f", {world} processes ({layout})" if world > 1 else ""
@@ -238,7 +241,7 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                      f"steps {start_step + 1}..{total_steps} -> {out.path}")
     meter.window_start = time.perf_counter()
     return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
-               par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, out=out,
+               task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, out=out,
                progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
                total_steps=total_steps, start_step=start_step)
 

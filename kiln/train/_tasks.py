@@ -1,21 +1,106 @@
-"""What a batch means for each kind of data: how to compute the loss and the eval metrics.
+"""What a batch means: how the model is called on it, where the loss comes from, and the
+evaluation metrics.
 
-Models are plain PyTorch and only map inputs to logits; the task knows the targets.
+A batch is a tuple ``(inputs, targets, ...)`` (kiln's data sets, ``TensorDataset``) or a
+mapping (Hugging Face style: ``input_ids``, ``attention_mask``, ``labels``). The model is
+called as ``model(inputs)`` on a tuple and as ``model(**batch)`` on a mapping, and may return
+
+- logits (a tensor; a 0-d tensor is a loss),
+- a mapping or ``ModelOutput`` with ``loss`` and/or ``logits``,
+- a tuple whose first element is one of these (``return_dict=False``: ``(loss, logits, ...)``).
+
+The loss of a micro-batch is, in this order: ``train.loss(outputs, batch)`` when the config
+sets one, the loss the model returned, or the task's cross-entropy of the logits against the
+targets (a tuple's second element, a mapping's ``labels``). A mapping follows the Hugging
+Face convention for language modelling: ``labels`` are the input ids themselves, and token t
+predicts label t + 1 (kiln's own lm data gives targets already shifted).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+IGNORE = -100  # cross_entropy's ignore_index: mlm positions that were not masked, padding
 
-def loss_fn(task: str, model: nn.Module, batch: Any) -> torch.Tensor:
-    """Mean loss of ``model`` on one (micro-)batch already on the device."""
-    inputs, targets = batch
-    return loss_from_logits(model(inputs), targets)
+
+@dataclass
+class Task:
+    """The loss and metrics of a run: the data's kind plus what the config plugs in."""
+
+    kind: str | None  # "classification", "lm", "mlm", or None: unknown (the loss alone is reported)
+    loss: Callable[[Any, Any], torch.Tensor] | None = None  # train.loss
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None  # train.metrics; None: the kind's
+
+    def metric_names(self) -> list[str]:
+        """The eval metrics this task reports, ``loss`` first."""
+        if self.metrics is not None:
+            return ["loss", *self.metrics]
+        names = ["loss"]
+        if self.kind is not None:
+            names.append("accuracy")
+        if self.kind in ("lm", "mlm"):
+            names.append("perplexity")
+        return names
+
+
+def call_model(model: Callable[..., Any], batch: Any) -> Any:
+    """``model(**batch)`` for a mapping, ``model(inputs)`` for a tuple ``(inputs, ...)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch[0])
+
+
+def split_outputs(outputs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(loss, logits)`` of whatever the model returned (either may be None)."""
+    if isinstance(outputs, torch.Tensor):
+        return (outputs, None) if outputs.ndim == 0 else (None, outputs)
+    if isinstance(outputs, Mapping):  # transformers' ModelOutput is an OrderedDict
+        return outputs.get("loss"), outputs.get("logits")
+    if isinstance(outputs, (tuple, list)) and outputs:
+        loss, logits = split_outputs(outputs[0])
+        if loss is not None and logits is None and len(outputs) > 1 and isinstance(outputs[1], torch.Tensor):
+            logits = outputs[1]  # (loss, logits, ...)
+        return loss, logits
+    raise TypeError(
+        f"the model returned {type(outputs).__name__}; kiln takes logits (a tensor), a mapping or ModelOutput "
+        "with 'loss' and/or 'logits', or a tuple whose first element is one of these. Return one of those, "
+        "or set train.loss to a function (outputs, batch) -> loss")
+
+
+def targets_of(batch: Any) -> torch.Tensor | None:
+    """A tuple's second element, a mapping's ``labels``, or None."""
+    if isinstance(batch, Mapping):
+        return batch.get("labels")
+    return batch[1] if len(batch) > 1 else None
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.ndim > 0:
+            return item.shape[0]
+        if isinstance(item, (Mapping, tuple, list)):
+            return batch_size(item)
+    raise ValueError(f"cannot tell the number of samples of a batch of {type(batch).__name__}: it holds no tensor")
+
+
+def to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The batch on ``device``, recursively; floating tensors take ``dtype`` (fp64 runs), token
+    ids and masks of other dtypes stay as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, dtype=dtype if batch.is_floating_point() else None, non_blocking=True)
+    if isinstance(batch, Mapping):  # (a BatchEncoding, too) -> a dict, which model(**batch) takes
+        return {k: to_device(v, device, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device, dtype) for v in batch)
+    return batch
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -26,45 +111,124 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy; logits (B, C) for classification, (B, T, V) for lm and mlm.
 
-    mlm targets are -100 (cross_entropy's default ignore_index) where nothing was masked."""
+    Targets equal to -100 (cross_entropy's ignore_index) are not scored."""
     return F.cross_entropy(upcast(logits.flatten(0, -2)), targets.flatten())
 
 
-def metric_names(task: str) -> list[str]:
-    return ["loss", "accuracy"]
+def _aligned(task: Task, batch: Any, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the targets they predict: a mapping's lm labels are the inputs (shift by one)."""
+    if task.kind == "lm" and isinstance(batch, Mapping):
+        return logits[:, :-1], targets[:, 1:]
+    return logits, targets
+
+
+def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch.Tensor:
+    """The mean loss of ``model`` on one (micro-)batch already on the device (see the module)."""
+    outputs = call_model(model, batch)
+    if task.loss is not None:
+        loss = task.loss(outputs, batch)
+    else:
+        loss, logits = split_outputs(outputs)
+        if loss is None:
+            targets = targets_of(batch)
+            if logits is None or targets is None:
+                raise ValueError(
+                    "the model returned no loss, and kiln found no " + ("logits" if logits is None else "targets")
+                    + " to compute one (a batch's targets are a tuple's second element or a mapping's 'labels'); "
+                    "return a loss from the model, or set train.loss to a function (outputs, batch) -> loss")
+            loss = loss_from_logits(*_aligned(task, batch, logits, targets))
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the loss must be a scalar tensor (0-d), got {shape}; reduce it to the batch's mean")
+    return loss
 
 
 @torch.inference_mode()
-def evaluate(task: str, model: nn.Module, loader: Any, device: torch.device,
+def evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device,
              dtype: torch.dtype = torch.float32, forward: Callable[[torch.Tensor], Any] | None = None,
              share: Callable[[dict[str, float]], dict[str, float]] | None = None) -> dict[str, float]:
-    """Loss and accuracy over the whole loader, summed per sample (so the last, smaller batch
-    counts with its true weight), under inference mode.
+    """The task's metrics over the whole loader under inference mode, each summed per sample
+    (per scored token for losses on logits), so the last, smaller batch counts with its true
+    weight.
 
-    ``forward(inputs) -> logits`` replaces ``model(inputs)`` (a pipeline returns None on ranks
-    without the last stage, which then only feed it); ``share(metrics)`` hands the metrics of
-    the rank that computed them to every rank."""
-    forward = forward or model
+    ``forward(inputs) -> logits`` replaces ``model(inputs)`` for tuple batches (a pipeline
+    returns None on ranks without the last stage, which then only feed it); ``share(metrics)``
+    hands the metrics of the rank that computed them to every rank."""
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    count = torch.zeros((), dtype=torch.int64, device=device)
-    for inputs, targets in loader:
-        if inputs.is_floating_point():
-            inputs = inputs.to(dtype)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        logits = forward(inputs)
-        if logits is None:
-            continue
-        logits = upcast(logits.flatten(0, -2))
-        targets = targets.flatten()
-        loss_sum += F.cross_entropy(logits, targets, reduction="sum").double()
-        scored = targets != -100  # mlm scores only the masked positions
-        correct += ((logits.argmax(-1) == targets) & scored).sum()
-        count += scored.sum()
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+
+    def add(name: str, value: torch.Tensor, count: Any) -> None:
+        sums[name] = sums.get(name, 0) + value.double()
+        counts[name] = counts.get(name, 0) + count
+
+    names = task.metric_names()
+    for batch in loader:
+        batch = to_device(batch, device, dtype)
+        if forward is not None and not isinstance(batch, Mapping):
+            outputs = forward(batch[0])
+            if outputs is None:
+                continue
+        else:
+            outputs = call_model(model, batch)
+        n = batch_size(batch)
+        if task.loss is None:
+            loss, logits = split_outputs(outputs)
+        else:  # the user's loss; logits, where the outputs show them, still give the accuracy
+            loss = task.loss(outputs, batch)
+            try:
+                logits = split_outputs(outputs)[1]
+            except TypeError:
+                logits = None
+        targets, weight = targets_of(batch), n
+        if targets is not None:
+            if logits is not None:
+                logits, targets = _aligned(task, batch, logits, targets)
+                logits = upcast(logits.flatten(0, -2))
+            else:
+                targets = _aligned(task, batch, targets, targets)[1]  # (the first argument is only sliced)
+            targets = targets.flatten()
+            scored = targets != IGNORE  # mlm and padding: only the scored positions count
+            if task.loss is None:
+                weight = scored.sum()  # a loss on logits averages over the scored positions
+            if logits is not None:
+                if loss is None:
+                    add("loss", F.cross_entropy(logits, targets, reduction="sum"), weight)
+                if task.metrics is None:
+                    add("accuracy", ((logits.argmax(-1) == targets) & scored).sum(), scored.sum())
+        if loss is not None:  # the model's (or train.loss's) mean, weighted by what it averaged over
+            add("loss", loss.detach() * weight, weight)
+        for name, fn in (task.metrics or {}).items():
+            add(name, torch.as_tensor(fn(outputs, batch), device=device).detach() * n, n)
     model.train(was_training)
     # note: .item() is a device sync; evaluation is rare enough for it not to matter
-    n = max(count.item(), 1)
-    metrics = {"loss": loss_sum.item() / n, "accuracy": correct.item() / n}
+    metrics = {k: (sums[k] / max(float(counts[k]), 1)).item() for k in sums}
+    if "loss" not in metrics:
+        raise ValueError("evaluation found no loss: the validation data gave no batch with targets, "
+                         "and the model returned no loss")
+    if "perplexity" in names:
+        metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # exp overflows a float past ~709
+    metrics = {k: metrics[k] for k in names if k in metrics}
     return share(metrics) if share is not None else metrics
+
+
+def infer_kind(dataset: Any) -> str | None:
+    """The task a data set's first sample suggests: one target per sample is classification,
+    one per position lm; None when the sample has no targets (or the data cannot be indexed)."""
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001  (an IterableDataset, or a data set that cannot be indexed)
+        try:
+            sample = next(iter(dataset))
+        except Exception:  # noqa: BLE001
+            return None
+    if isinstance(sample, Mapping):
+        target = sample.get("labels")
+    elif isinstance(sample, (tuple, list)) and len(sample) > 1:
+        target = sample[1]
+    else:
+        return None
+    if target is None:
+        return None
+    return "classification" if torch.as_tensor(target).ndim == 0 else "lm"

@@ -32,13 +32,14 @@ from typing import Any
 import torch
 
 from kiln._version import __version__
+from kiln.hf import is_hf_model
 from kiln.train._batches import Step
 from kiln.train._checkpoint import plain, prune, save_checkpoint
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
 from kiln.train._run_dir import CHECKPOINTS
 from kiln.train._setup import Run, peak_memory_mb, setup
-from kiln.train._tasks import evaluate, loss_fn
+from kiln.train._tasks import batch_size, evaluate, micro_batch_loss, to_device
 
 __all__ = ["RunResult", "peak_memory_mb", "train", "train_step"]
 
@@ -114,19 +115,18 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     precision, par, optimizer, dp = run.precision, run.par, run.optimizer, run.layout.dp
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     # 1. forward and backward of each micro-batch; gradients accumulate locally, no communication
-    for inputs, targets in step.micro:
-        inputs = _to_device(inputs, run.device, precision.input_dtype)
-        targets = targets.to(run.device, non_blocking=True)
+    for batch in step.micro:  # a tuple (inputs, targets, ...) or a mapping (HF: input_ids, labels, ...)
+        batch = to_device(batch, run.device, precision.input_dtype)
         if par.pipeline is not None:  # the schedule runs forward and backward of its micro-batches
             with precision.autocast():
-                loss = par.pipeline.step(inputs, targets)
+                loss = par.pipeline.step(batch[0], batch[1])
         else:
             with precision.autocast(), par.loss_context():
                 # Weighted by its share of the step's samples, a micro-batch's mean loss sums
                 # (and, averaged over the dp ranks, averages) to the mean over the whole step:
                 # divided by exactly K when all hold data.batch_size / (K x dp) samples.
-                parts = step.samples / (len(targets) * dp)
-                loss = loss_fn(run.data.task, run.model, (inputs, targets)) / parts
+                parts = step.samples / (batch_size(batch) * dp)
+                loss = micro_batch_loss(run.task, run.model, batch) / parts
                 precision.backward(loss)  # fp16: backward of the scaled loss
         loss_sum += par.value(loss)
     # 2. the true, reduced gradients; fp16 unscales after the reduction, so that every rank
@@ -168,7 +168,7 @@ def _train_metrics(run: Run, step: int, grad_norm: torch.Tensor | None) -> dict[
 
 def _evaluate(run: Run) -> dict[str, float]:
     with run.precision.autocast():
-        run.last_eval = evaluate(run.data.task, run.model, run.data.val, run.device, run.precision.input_dtype,
+        run.last_eval = evaluate(run.task, run.model, run.data.val, run.device, run.precision.input_dtype,
                                  forward=run.par.eval_forward(run.model), share=run.par.share_metrics)
     return {f"eval_{k}": v for k, v in run.last_eval.items()}
 
@@ -207,6 +207,8 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
     if stopped and m.window_steps:  # the loss of the steps since the last log
         run.last_train_loss = mean_over_ranks(m.window_loss / m.window_steps, run.world).item()
     checkpoint(run, "final", step)
+    if is_hf_model(run.plain_model):
+        _write_hf(run)
     summary = dict(
         status="completed", steps=step, epochs=round(run.batches.epochs_done, 4),
         final_train_loss=run.last_train_loss, eval=run.last_eval,
@@ -237,6 +239,16 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
     return RunResult(run.out.path, run.out.summary)
 
 
-def _to_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # Floating inputs follow the parameters' dtype (fp64 runs); token ids stay integers.
-    return x.to(device, dtype=dtype if x.is_floating_point() else None, non_blocking=True)
+def _write_hf(run: Run) -> None:
+    """The final model in the Hugging Face layout, ``RUN_DIR/hf/``, for ``from_pretrained``.
+    A collective under FSDP2 (the whole tensors are gathered to every rank's CPU first)."""
+    from kiln.hf import save_hf
+
+    state = None
+    if run.par.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(run.plain_model, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+    if run.main:
+        save_hf(run.plain_model, run.out.path / "hf", state)

@@ -9,13 +9,20 @@ from typing import Any
 
 from kiln.train._run_dir import METRICS, SUMMARY, read_metrics
 
-_COLUMNS = ("status", "steps", "final_train_loss", "eval_loss", "eval_accuracy", "samples_per_second",
-            "peak_memory_mb", "wall_seconds")
+_COLUMNS = ("status", "steps", "final_train_loss", "samples_per_second", "peak_memory_mb", "wall_seconds")
+
+
+def _eval_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Every eval metric any of the runs reported (loss first), in the order first seen."""
+    seen = ["eval_loss"]
+    for row in rows:
+        seen += [k for k in row if k.startswith("eval_") and k not in seen]
+    return seen
 
 
 def _row(run: Path) -> dict[str, Any]:
     summary = json.loads((run / SUMMARY).read_text()) if (run / SUMMARY).exists() else {}
-    row = {"run": run.name, **{k: summary.get(k) for k in _COLUMNS}}
+    row: dict[str, Any] = {"run": run.name, **{k: summary.get(k) for k in _COLUMNS}}
     for name, value in (summary.get("eval") or {}).items():
         row[f"eval_{name}"] = value
     return row
@@ -30,9 +37,10 @@ def _fmt(value: Any) -> str:
 
 
 def table(runs: list[Path]) -> str:
-    """A plain-text table of the runs' summaries, one row per run."""
+    """A plain-text table of the runs' summaries, one row per run, with whatever eval metrics
+    they reported (a user's own metrics too)."""
     rows = [_row(r) for r in runs]
-    header = ["run", *_COLUMNS]
+    header = ["run", *_COLUMNS[:3], *_eval_columns(rows), *_COLUMNS[3:]]
     cells = [[_fmt(r.get(h)) for h in header] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
@@ -49,16 +57,18 @@ def check_runs(paths: list[str]) -> list[Path]:
 
 
 def plot(runs: list[Path], out: Path) -> Path:
-    """Train loss, eval loss and eval accuracy of every run against step, in one figure."""
+    """Train loss and every eval metric of every run against step, one panel each, in one figure."""
     from kiln._plotting import pyplot
 
     plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("train_loss", "train loss", True), ("eval_loss", "eval loss", True),
-              ("eval_accuracy", "eval accuracy", False))
+    metrics = {run: read_metrics(run) for run in runs}
+    evals = _eval_columns([row for rows in metrics.values() for row in rows[:1]])
+    panels = [("train_loss", "train loss", True)] + [(k, k.replace("_", " "), k.endswith(("loss", "perplexity")))
+                                                      for k in evals]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    axes = axes[0]
     for run in runs:
-        rows = read_metrics(run)
+        rows = metrics[run]
         for ax, (key, title, log) in zip(axes, panels):
             points = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
             if points:
