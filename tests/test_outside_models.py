@@ -221,8 +221,8 @@ def test_outside_models_train_under_every_acceleration(tmp_path, name):
         config, base = _user_config(tmp_path), ["train.max_steps=12"]
     else:
         pytest.importorskip("transformers")
-        config, base = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=12", "train.log_every=1",
-                                                                      "data.args.num_samples=512"]
+        config, base = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=8", "train.log_every=1",
+                                                                      "data.args.num_samples=256"]
     base += ["train.eval_every=0"]
     one = _loss_curve(_train(config, tmp_path / "one", *base))
     mixed = _loss_curve(_train(config, tmp_path / "mixed", *base, "train.precision=bf16-mixed",
@@ -459,3 +459,29 @@ def test_an_iterable_dataset_with_its_own_collate_fn(tmp_path):
     assert summary["steps"] == 9 and set(summary["eval"]) == {"loss", "accuracy"}  # one label a sample
     # 96 samples a pass = 6 steps of 16: step 9 is in the second pass over the stream
     assert [int(float(r["epoch"])) for r in read_metrics(run)][-1] == 1
+
+
+@pytest.mark.slow
+def test_bench_hf_quick_measures_kiln_and_the_trainer_on_one_model(tmp_path):
+    pytest.importorskip("accelerate")
+    from kiln.bench import run_benchmark
+
+    result = run_benchmark("hf", tmp_path, quick=True)
+    rates = result["samples_per_s"]
+    assert set(rates) == {"trainer", "kiln fp32", "kiln bf16-mixed"} and all(r > 0 for r in rates.values())
+    assert result["vs_trainer"]["kiln fp32"] == pytest.approx(rates["kiln fp32"] / rates["trainer"])
+    assert result["kiln_best"] in rates and result["cpu_capability"]
+    assert json.loads((tmp_path / "hf.json").read_text())["samples_per_s"] == rates
+    assert (tmp_path / "hf.png").stat().st_size > 5_000
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_tensor_or_pipeline_parallel_for_a_family_without_a_plan_is_refused_in_one_line(tmp_path, capsys, command):
+    pytest.importorskip("transformers")
+    config = str(ROOT / "configs" / "hf_gpt2_tiny.py")
+    for key in ("parallel.tp=2", "parallel.pp=2"):
+        code = main([command, config, "--nproc", "2", key, f"train.output_dir={tmp_path}"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert key in err and "GPT2LMHeadModel" in err and "has none" in err and key.replace("2", "1") in err
+    assert not any(tmp_path.iterdir())  # nothing started, no run directory

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "dataloader": ("kiln.bench.dataloader", "samples/s and time to first batch of CPU-heavy augmentation: workers=0 vs workers='auto'"),
     "zero": ("kiln.bench.zero", "per-rank bytes of parameters/gradients/optimizer state: data parallel vs ZeRO-1/2/3 at dp=2, 4"),
     "ddp": ("kiln.bench.ddp", "data-parallel scaling: samples/s of 2 processes x 1 thread vs 1 x 1 (ViT, small GPT), all-reduce ms/step"),
+    "hf": ("kiln.bench.hf", "a Hugging Face GPT-2 trained by kiln train (fp32, compile, bf16-mixed) vs the transformers Trainer: samples/s"),
     "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
 }
 
