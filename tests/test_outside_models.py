@@ -216,24 +216,26 @@ def _loss_curve(run: Path) -> list[float]:
 @pytest.mark.parametrize("name", ["user", "gpt2", "llama", "bert"])
 def test_outside_models_train_under_every_acceleration(tmp_path, name):
     """bf16-mixed with activation checkpointing, compile, and two processes with ZeRO-2 and
-    FSDP2 (ZeRO-3): each trains (the loss falls), and the two-process runs equal one process."""
+    FSDP2 (ZeRO-3, with accumulation): each trains, with clipping on; compile and the
+    two-process runs equal one process."""
     if name == "user":
         config, base = _user_config(tmp_path), ["train.max_steps=12"]
     else:
         pytest.importorskip("transformers")
         config, base = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=8", "train.log_every=1",
                                                                       "data.args.num_samples=256"]
-    base += ["train.eval_every=0"]
+    base += ["train.eval_every=0", "train.clip_grad_norm=1.0"]
     one = _loss_curve(_train(config, tmp_path / "one", *base))
     mixed = _loss_curve(_train(config, tmp_path / "mixed", *base, "train.precision=bf16-mixed",
                                "train.activation_checkpointing=full"))
     assert mixed[-1] < mixed[0] and _max_rel(mixed, one) < 0.05  # bf16: within 5% of fp32 at every step
     compiled = _loss_curve(_train(config, tmp_path / "compiled", *base, "train.compile=true"))
     assert _max_rel(compiled, one) < 1e-4
-    for zero in (2, 3):
+    for zero, accumulate in ((2, 1), (3, 2)):  # 2 processes x 2 micro-batches: the same samples per step
         out = tmp_path / f"zero{zero}"
         proc = subprocess.run([sys.executable, "-m", "kiln", "train", str(config), "--nproc", "2",
-                               f"parallel.zero={zero}", f"train.output_dir={out}", *base],
+                               f"parallel.zero={zero}", f"train.accumulate={accumulate}", f"train.output_dir={out}",
+                               *base],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         two = _loss_curve(_only_run(out))
@@ -241,13 +243,13 @@ def test_outside_models_train_under_every_acceleration(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["user", "gpt2"])
+@pytest.mark.parametrize("name", ["user", "gpt2", "llama", "bert"])
 def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, name):
     if name == "user":
         config, args = _user_config(tmp_path), ["train.max_steps=40"]
     else:
         pytest.importorskip("transformers")
-        config, args = ROOT / "configs" / "hf_gpt2_tiny.py", ["train.max_steps=40", "data.args.num_samples=512"]
+        config, args = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=40", "data.args.num_samples=512"]
     args += ["train.checkpoint_every=5", "train.log_every=5", "train.eval_every=20"]
     whole = _train(config, tmp_path / "whole", *args)
     killed_dir = tmp_path / "killed"
@@ -266,6 +268,16 @@ def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, name):
     assert b["status"] == "completed" and a["final_train_loss"] == b["final_train_loss"] and a["eval"] == b["eval"]
     wa, wb = (load_checkpoint(r / "checkpoints" / "final") for r in (whole, run))
     assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"])
+
+
+def test_early_stopping_on_a_users_own_metric(tmp_path):
+    config = _user_config(tmp_path)
+    # an improvement must beat min_delta=100: the second evaluation stops the run (patience 1)
+    run = _train(config, tmp_path / "runs", "train.max_steps=12", "train.eval_every=2",
+                 "train.early_stopping.metric=eval_mae", "train.early_stopping.patience=1",
+                 "train.early_stopping.min_delta=100")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["stopped_at_step"] == 4 and "eval_mae" in summary["stop_reason"]
 
 
 def test_every_kind_of_model_output_gives_its_loss_or_logits():

@@ -164,11 +164,13 @@ def evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device,
         counts[name] = counts.get(name, 0) + count
 
     names = task.metric_names()
+    fed_only = False  # a pipeline rank without the last stage: it computes no metric
     for batch in loader:
         batch = to_device(batch, device, dtype)
         if forward is not None and not isinstance(batch, Mapping):
             outputs = forward(batch[0])
             if outputs is None:
+                fed_only = True
                 continue
         else:
             outputs = call_model(model, batch)
@@ -204,6 +206,8 @@ def evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device,
     model.train(was_training)
     # note: .item() is a device sync; evaluation is rare enough for it not to matter
     metrics = {k: (sums[k] / max(float(counts[k]), 1)).item() for k in sums}
+    if fed_only and not metrics:
+        return share(metrics) if share is not None else metrics  # the last stage's arrive by share
     if "loss" not in metrics:
         raise ValueError("evaluation found no loss: the validation data gave no batch with targets, "
                          "and the model returned no loss")
