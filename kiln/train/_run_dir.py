@@ -74,7 +74,7 @@ class RunDir:
         summary = path / SUMMARY
         if summary.exists():
             run.summary = json.loads(summary.read_text())
-        run.checkpoints.mkdir(exist_ok=True)
+        run.checkpoints.mkdir(parents=True, exist_ok=True)  # KILN_RUN_DIR may name a path not made yet
         return run
 
     # ------------------------------------------------------------------ metrics
