@@ -7,6 +7,7 @@ status 2, with no Python traceback; bugs still show their traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import sys
@@ -171,6 +172,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise _UsageError(f"--nproc {args.nproc} must be at least 1")
+    if args.max_restarts < 0:
+        raise _UsageError(f"--max-restarts {args.max_restarts} must be 0 (no restarts) or positive")
     if args.resume:
         if args.config is not None and "=" not in args.config:
             raise _UsageError("give either CONFIG or --resume RUN_DIR, not both")
@@ -308,6 +311,80 @@ class _UsageError(Exception):
     pass
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full_in(exc: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT OSError behind ``exc``, also where a checkpoint save wrapped it (DCP's
+    CheckpointException keeps each rank's error in ``failures``); None if there is none."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL:
+            return err
+        todo += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _disk_full_message(exc: BaseException, full: OSError) -> str:
+    """One line: what could not be written, and the checkpoint to resume from."""
+    import inspect
+
+    from kiln.parallel import save_sharded
+
+    path = Path(full.filename) if full.filename else None
+    code = inspect.unwrap(save_sharded).__code__  # (under its no_grad decorator)
+    tb = exc.__traceback__
+    while tb is not None and path is None:  # a write() names no file: the checkpoint being saved does
+        if tb.tb_frame.f_code is code:
+            path = Path(tb.tb_frame.f_locals["directory"])
+        tb = tb.tb_next
+    problem = f"{os.strerror(full.errno).lower()} while writing {path or 'the run directory'}"
+    run_dir = next((p for p in ([path, *path.parents] if path else []) if (p / "config.yaml").is_file()), None)
+    if run_dir is None:
+        return f"{problem}; free some space (or write elsewhere: train.output_dir) and run again"
+    good = _last_good_checkpoint(run_dir)
+    if good is None:
+        return (f"{problem}; {run_dir} has no checkpoint to resume from: free some space and start again "
+                f"with kiln train {run_dir}/config.yaml")
+    return (f"{problem}; the last good checkpoint is {good}: free some space, then continue with "
+            f"kiln train --resume {run_dir}")
+
+
+def _last_good_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint of ``run_dir`` with the most steps (final before a periodic one of
+    the same step), as ``kiln train --resume`` picks it; None if there is none."""
+    from kiln.parallel import check_sharded
+
+    found = []
+    for path in (run_dir / "checkpoints").glob("*"):
+        if path.name == "final" or re.fullmatch(r"step-\d+", path.name):
+            try:
+                found.append((check_sharded(path)["extra"]["step"], path.name == "final", path))
+            except (ValueError, KeyError, TypeError):
+                continue  # cut short by the failed save, or damaged: not one to resume from
+    return max(found)[2] if found else None
+
+
+def _call(args: argparse.Namespace) -> int:
+    """``args.func(args)``, with a full disk turned into one line and exit status 1."""
+    try:
+        return args.func(args)
+    except BaseException as exc:
+        full = _disk_full_in(exc)
+        if full is None:
+            raise
+        print(f"kiln: error: {_disk_full_message(exc, full)}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     # Overrides may come after options (kiln train CONFIG --nproc 2 train.max_steps=9): argparse
@@ -322,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kiln.errors import CheckpointError
 
     try:
-        return args.func(args)
+        return _call(args)
     except (ConfigError, CheckpointError, _UsageError) as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -42,6 +42,7 @@ def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
 
 
 def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False) -> dict[str, Any]:
+    run = get_benchmark(name)  # an unknown name is refused before its folder is made
     out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
     out.mkdir(parents=True, exist_ok=True)
-    return get_benchmark(name)(out, quick=quick)
+    return run(out, quick=quick)

@@ -15,7 +15,9 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -110,12 +112,32 @@ def _parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
     for text in overrides:
         if "=" not in text:
             raise ConfigError(f"override {text!r} must look like key=value (for example train.max_steps=100)")
+        # Hydra's grammar takes only ASCII: each run of other characters goes through it as an
+        # ASCII word and comes back in the parsed key and value (train.output_dir=/tmp/out_é).
+        runs = {run: f"kilnnonascii{i}x" for i, run in enumerate(dict.fromkeys(re.findall(r"[^\x00-\x7f]+", text)))}
+        ascii_text = text
+        for run, word in runs.items():
+            ascii_text = ascii_text.replace(run, word)
         try:
-            override = parser.parse_override(text)
+            override = parser.parse_override(ascii_text)
         except HydraException as exc:
             raise ConfigError(f"cannot parse override {text!r}: {exc}") from exc
-        parsed.append((override.key_or_group, override.value()))
+        back = {word: run for run, word in runs.items()}
+        parsed.append((_restore(override.key_or_group, back), _restore(override.value(), back)))
     return parsed
+
+
+def _restore(value: Any, words: dict[str, str]) -> Any:
+    """``value`` with each word of ``words`` in its strings replaced by what it stands for."""
+    if not words:
+        return value
+    if isinstance(value, str):
+        return re.sub("|".join(words), lambda m: words[m.group(0)], value)
+    if isinstance(value, dict):
+        return {_restore(k, words): _restore(v, words) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore(v, words) for v in value]
+    return value
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -389,6 +411,71 @@ def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _non_finite(cfg: dict[str, Any]) -> tuple[str, float] | None:
+    """The first key of kiln's own namespaces holding nan or inf (``optim.lr=nan`` would train
+    to "completed" on a NaN loss) and its value; None if every float is finite."""
+    from kiln.config._schema import EarlyStoppingConfig
+
+    def walk(value: Any, key: str) -> tuple[str, float] | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return key, value
+        if isinstance(value, (list, tuple)):
+            return next((bad for i, v in enumerate(value) if (bad := walk(v, f"{key}[{i}]"))), None)
+        return None
+
+    for name, cls in NAMESPACES.items():
+        if cls is None:
+            continue
+        for field in dataclasses.fields(cls):  # declared keys only: a _target_'s arguments are the user's
+            if (bad := walk(cfg[name].get(field.name), f"{name}.{field.name}")) is not None:
+                return bad
+    stopping = cfg["train"]["early_stopping"]
+    if stopping is not None:
+        for field in dataclasses.fields(EarlyStoppingConfig):
+            if (bad := walk(stopping[field.name], f"train.early_stopping.{field.name}")) is not None:
+                return bad
+    return None
+
+
+def _validate_ranges(cfg: dict[str, Any]) -> None:
+    """Values of one key that type checks let through but that would crash or mislead later."""
+    train, data, optim = cfg["train"], cfg["data"], cfg["optim"]
+    bad = _non_finite(cfg)
+    if bad is not None:
+        key, value = bad
+        raise ConfigError(f"{key}={value} is not a finite number; set {key} to a finite value")
+    output_dir = Path(train["output_dir"]).expanduser()
+    for path in (output_dir, *output_dir.parents):
+        if path.exists():  # the nearest existing ancestor: it must be a directory to create runs in
+            if not path.is_dir():
+                what = "is a file" if path == output_dir else f"is under {path}, which is a file"
+                raise ConfigError(f"train.output_dir={train['output_dir']} {what}, not a directory; set "
+                                  "train.output_dir to a directory (it is created if missing)")
+            break
+    if train["threads"] is not None and train["threads"] < 1:
+        raise ConfigError(f"train.threads={train['threads']} must be positive, or null for torch's default")
+    if isinstance(data["workers"], int) and data["workers"] < 0:
+        raise ConfigError(f"data.workers={data['workers']} must be 0 (load in the training process), positive, "
+                          "or 'auto'")
+    if optim["betas"] is not None:
+        for i, beta in enumerate(optim["betas"]):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"optim.betas[{i}]={beta} must be in [0, 1), e.g. optim.betas=[0.9,0.999]")
+    if optim["warmup_steps"] < 0:
+        raise ConfigError(f"optim.warmup_steps={optim['warmup_steps']} must be 0 (no warm-up) or positive")
+    if not 0.0 <= optim["min_lr_ratio"] <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={optim['min_lr_ratio']} must be in [0, 1] (the final lr as a "
+                          "fraction of optim.lr)")
+    if optim["eps"] is not None and optim["eps"] <= 0:
+        raise ConfigError(f"optim.eps={optim['eps']} must be positive, e.g. 1e-8, or null for the optimizer's default")
+    if optim["weight_decay"] is not None and optim["weight_decay"] < 0:
+        raise ConfigError(f"optim.weight_decay={optim['weight_decay']} must be 0 or positive, or null for the "
+                          "optimizer's default")
+    if optim["momentum"] is not None and not 0.0 <= optim["momentum"] < 1.0:
+        raise ConfigError(f"optim.momentum={optim['momentum']} must be in [0, 1), e.g. 0.9, or null for the "
+                          "optimizer's default")
+
+
 def _validate_cross(cfg: dict[str, Any]) -> None:
     """Checks that need more than one key."""
     train, data = cfg["train"], cfg["data"]
@@ -473,6 +560,7 @@ def validate(tree: dict[str, Any]) -> dict[str, Any]:
     out["train"]["loss"] = _validate_callable(out["train"]["loss"], "train.loss", ("outputs", "batch"))
     out["train"]["metrics"] = _validate_metrics(out["train"]["metrics"])
     _validate_optim(out["optim"])
+    _validate_ranges(out)
     _validate_cross(out)
     return out
 
