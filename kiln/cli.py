@@ -182,6 +182,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not (run_dir / "config.yaml").is_file():
             raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
         cfg = load_config(run_dir / "config.yaml", overrides)
+        if "LOCAL_RANK" not in os.environ:
+            from kiln.train._checkpoint import checkpoint_to_resume
+            from kiln.train._run_dir import RunLock
+            from kiln.train._setup import check_extends
+
+            # before any process starts (setup and the launcher check both again, and lock):
+            # a run another process writes, a checkpoint that does not match, no steps left
+            RunLock.acquire(run_dir).release()
+            step = checkpoint_to_resume(run_dir, cfg)[1]["step"]
+            if cfg.train.max_steps is not None:
+                check_extends(run_dir, step, cfg.train.max_steps)
         command = ["--resume", str(run_dir), *overrides]
     elif args.config is None:
         raise _UsageError("kiln train needs a CONFIG file or --resume RUN_DIR (see kiln train --help)")
@@ -234,24 +245,60 @@ def _failure_text(failure: object) -> str:
 
 def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | None, output_dir: str,
             name: str) -> int:
-    """Run ``kiln train COMMAND`` in ``nproc`` local processes under torchrun's elastic agent."""
+    """Run ``kiln train COMMAND`` in ``nproc`` local processes under torchrun's elastic agent.
+
+    This process, the launcher, creates (or reopens) the run directory and holds its lock
+    for the whole run: rank 0 may die and be restarted by the agent without ever meeting its
+    own lock, and a second ``kiln train --resume`` of the directory is refused while the run
+    lives. When rank 0 could not record how the run ended, the launcher marks it."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from kiln.train import RunDir
+    from kiln.train._run_dir import LOCK_HELD_ENV, RunDir, mark_stopped
 
-    if run_dir is None:
-        run_dir = RunDir.create(output_dir, name).path  # named here, so every restart finds it
-    os.environ["KILN_RUN_DIR"] = str(run_dir)
-    argv = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-            "-m", "kiln", "train", *command]
+    out = RunDir.open(run_dir) if run_dir is not None else RunDir.create(output_dir, name)  # locked
+    run_dir = out.path
+    resume = f"kiln train --resume {run_dir} --nproc {nproc}"
+    saved_env = {k: os.environ.get(k) for k in ("KILN_RUN_DIR", LOCK_HELD_ENV)}
+    # the agent's notes on a stop ("Received 2 death signal", "Sending process .. closing
+    # signal") would bury the one line that says what happened and how to continue
+    quiet = [logging.getLogger(f"torch.distributed.elastic.{m}") for m in ("agent.server.api", "multiprocessing.api")]
+    levels = [log.level for log in quiet]
     try:
-        torchrun(argv)
+        os.environ["KILN_RUN_DIR"] = str(run_dir)  # named here, so every restart finds it
+        os.environ[LOCK_HELD_ENV] = str(os.getpid())
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        torchrun(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                  "-m", "kiln", "train", *command])
     except ChildFailedError as exc:
         failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
+        mark_stopped(run_dir, "failed", f"training failed ({failures})")
         print(f"kiln: error: training failed ({failures}). {run_dir} keeps its checkpoints; continue with "
-              f"kiln train --resume {run_dir} --nproc {nproc}", file=sys.stderr)
+              f"{resume}", file=sys.stderr)
         return 1
+    except SignalException as exc:  # Ctrl-C or SIGTERM to the launcher: the agent stopped the workers
+        sig = signal.Signals(exc.sigval)
+        mark_stopped(run_dir, "interrupted", f"stopped by {sig.name}")
+        print(f"kiln: interrupted ({sig.name}); {run_dir} keeps its checkpoints; continue with {resume}",
+              file=sys.stderr)
+        return 128 + sig.value
+    except KeyboardInterrupt as exc:  # before the agent took over the signals
+        mark_stopped(run_dir, "interrupted", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+        out.close()  # releases the lock
+        for key, value in saved_env.items():  # main() may run again in this process
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return 0
 
 
@@ -397,15 +444,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     from kiln.errors import ConfigError
     from kiln.errors import CheckpointError
+    from kiln.train import _run_dir
+    from kiln.train._run_dir import LOCK_HELD_ENV, RunDirBusy
 
+    import signal
+    import threading
+
+    # SIGTERM, what schedulers send before they kill, stops a run as Ctrl-C does: the loop
+    # marks it interrupted and its checkpoints stay as they are
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:  # (signal handlers can only be set there)
+        _run_dir._received.clear()
+        previous = {s: signal.signal(s, _run_dir.on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _call(args)
-    except (ConfigError, CheckpointError, _UsageError) as exc:
+        return args.func(args)
+    except (ConfigError, CheckpointError, RunDirBusy, _UsageError) as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("kiln: interrupted", file=sys.stderr)
-        return 130
+    except BaseException as exc:
+        stop = _run_dir.stopped_by(exc)  # an interrupt, also inside another error, or one after a stop signal
+        if stop is None or isinstance(exc, SystemExit):
+            raise
+        if LOCK_HELD_ENV not in os.environ:  # a worker of kiln's launcher leaves the line to it
+            print("kiln: terminated (SIGTERM)" if stop == signal.SIGTERM else "kiln: interrupted", file=sys.stderr)
+        return 128 + stop
+    finally:
+        if main_thread:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

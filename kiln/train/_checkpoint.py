@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kiln.errors import CheckpointError, ConfigError
+from kiln.train._run_dir import interrupt_in
 
 # Keys that may differ between a run's config and its checkpoint on resume: they change how long
 # or how visibly the run goes on, or how it is laid out over processes, never what it computes.
@@ -114,8 +115,15 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     from kiln.parallel import save_sharded  # DCP: imported at the first save
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return save_sharded(path, model, optimizer, extra=state, masters=named_masters(model, precision),
-                        files={_rng_file(rank): rng_state()})
+    try:
+        return save_sharded(path, model, optimizer, extra=state, masters=named_masters(model, precision),
+                            files={_rng_file(rank): rng_state()})
+    except BaseException as exc:
+        interrupt = interrupt_in(exc)
+        if interrupt is not None and interrupt is not exc:
+            # DCP wraps a Ctrl-C in its CheckpointException: a stop, not a failed save
+            raise interrupt from None
+        raise
 
 
 def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> None:

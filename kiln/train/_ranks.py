@@ -59,5 +59,8 @@ class NullRun:
     def truncate_metrics(self, after_step: int) -> None:
         return None
 
+    def stopped(self, exc: BaseException) -> None:
+        return None
+
     def close(self) -> None:
         return None

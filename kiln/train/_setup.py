@@ -136,11 +136,25 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     rank, world = init_distributed(cfg.parallel.timeout_s)
     layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
     coords = layout.coords(rank)  # this rank's place: {"pp": .., "dp": .., "tp": ..}
-    dp = layout.dp
     device = pick_device(tc.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
     seed_everything(tc.seed)  # the same on every rank: identical initial weights
+    out = None
+    if resume is not None and rank == 0:
+        out = RunDir.open(Path(resume))  # locked first: RunDirBusy if another process writes it
+    try:
+        return _setup(cfg, name, resume, run_dir, out, meter_start, rank, world, layout, coords, device)
+    except BaseException:
+        if out is not None:
+            out.close()  # rewrote nothing: the run keeps the summary it had
+        raise
+
+
+def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str | None, out: RunDir | None,
+           meter_start: float, rank: int, world: int, layout: Any, coords: dict[str, int],
+           device: torch.device) -> Run:
+    tc, dp = cfg.train, layout.dp
     resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
 
     # ---- build everything before touching the disk --------------------------------------
@@ -188,6 +202,7 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * per_epoch
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     if resumed is not None:
+        check_extends(Path(resume), resumed[1]["step"], total_steps)
         _check_schedule_length(cfg, resumed[1]["scheduler"], total_steps)
     stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
     best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best/
@@ -216,34 +231,48 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     if rank != 0:
         out = NullRun(broadcast_path(None))  # rank 0 alone writes; the others only learn where
     elif resumed is None:
+        # summary.json says "running" before anything else is in the directory
         out = RunDir.open(Path(run_dir)) if run_dir is not None else RunDir.create(tc.output_dir, tc.run_name or name)
-        broadcast_path(out.path)
-        save_config(cfg, out.path / CONFIG)
-        out.write_summary(
-            status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
-            kiln_version=__version__, torch_version=torch.__version__, device=str(device),
-            parameters=n_params, total_steps=total_steps,
-        )
-    else:
-        out = RunDir.open(Path(resume))
-        broadcast_path(out.path)
-        out.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
-        save_config(cfg, out.path / CONFIG)  # may extend max_steps
-        out.write_summary(status="running", total_steps=total_steps,
-                          resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
-    out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
-                      "samples_per_second", "peak_memory_mb", "wall_seconds",
-                      *(f"eval_{m}" for m in task.metric_names())])
-    loggers = [TensorBoardLogger(out.path / "tensorboard")] if "tensorboard" in tc.loggers else []
-    progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
-    shown_layout = f", {world} processes ({layout})" if world > 1 else ""
-    progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, "
-                     f"steps {start_step + 1}..{total_steps} -> {out.path}")
-    meter.window_start = time.perf_counter()
-    return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
-               task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, out=out,
-               progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
-               total_steps=total_steps, start_step=start_step)
+    try:  # from here on, a stop (Ctrl-C included) is recorded in summary.json, as in the loop
+        if rank == 0 and resumed is None:
+            broadcast_path(out.path)
+            save_config(cfg, out.path / CONFIG)
+            out.write_summary(
+                status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
+                kiln_version=__version__, torch_version=torch.__version__, device=str(device),
+                parameters=n_params, total_steps=total_steps,
+            )
+        elif rank == 0:
+            broadcast_path(out.path)
+            out.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
+            save_config(cfg, out.path / CONFIG)  # may extend max_steps
+            out.write_summary(status="running", total_steps=total_steps,
+                              resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
+        out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
+                          "samples_per_second", "peak_memory_mb", "wall_seconds",
+                          *(f"eval_{m}" for m in task.metric_names())])
+        loggers = [TensorBoardLogger(out.path / "tensorboard")] if "tensorboard" in tc.loggers else []
+        progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
+        shown_layout = f", {world} processes ({layout})" if world > 1 else ""
+        progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, "
+                         f"steps {start_step + 1}..{total_steps} -> {out.path}")
+        meter.window_start = time.perf_counter()
+        return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
+                   task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
+                   out=out, progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
+                   total_steps=total_steps, start_step=start_step)
+    except BaseException as exc:
+        out.stopped(exc)
+        raise
+
+
+def check_extends(run_dir: Path, done: int, total_steps: int) -> None:
+    """A resume must have steps left to train: resuming a finished run would only rewrite its
+    summary (with no loss and no evaluation), so it is refused, saying how to extend it."""
+    if done >= total_steps:
+        raise ConfigError(
+            f"{run_dir} has already trained {done} steps (this config runs {total_steps}); to train it longer, "
+            f"resume with more steps: kiln train --resume {run_dir} train.max_steps=N with N > {done}")
 
 
 def _check_steps(cfg: Any, data: Data, layout: Any, per_epoch: int) -> None:

@@ -37,7 +37,7 @@ from kiln.train._batches import Step
 from kiln.train._checkpoint import plain, prune, save_checkpoint
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
-from kiln.train._run_dir import CHECKPOINTS
+from kiln.train._run_dir import CHECKPOINTS, stopped_by
 from kiln.train._setup import Run, peak_memory_mb, setup
 from kiln.train._tasks import batch_size, evaluate, micro_batch_loss, to_device
 
@@ -58,10 +58,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     ``run_dir`` names a new, empty run directory instead of creating one under output_dir.
     Started by torchrun, every process calls this; rank 0 alone writes the run directory.
     """
-    run = setup(cfg, name=name, resume=resume, run_dir=run_dir)
-    tc = cfg.train
-    step, stopped = run.start_step, None
-    try:
+    run = setup(cfg, name=name, resume=resume, run_dir=run_dir)  # records a stop inside it itself
+    step, stopped = run.start_step, None  # (no call here: Python checks for signals at calls)
+    try:  # at once: a Ctrl-C between setup and the loop is recorded like one in the loop
+        tc = cfg.train
         run.model.train()
         for step in range(run.start_step + 1, run.total_steps + 1):
             started = time.perf_counter()
@@ -94,7 +94,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                     prune(run.out.path, tc.keep_checkpoints)
         return _finish(run, step, stopped)
     except BaseException as exc:
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        # Ctrl-C or SIGTERM (Terminated), also wrapped in another error or followed by one
+        status = "interrupted" if stopped_by(exc) is not None else "failed"
         run.out.write_summary(status=status, error=f"{type(exc).__name__}: {exc}", failed_at_step=step,
                               traceback=traceback.format_exc(), wall_seconds=run.meter.wall_seconds())
         raise
@@ -222,8 +223,7 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
            if run.best else {}),
         finished_at=_dt.datetime.now().isoformat(timespec="seconds"),
     )
-    run.out.close()
-    if run.main:
+    if run.main:  # metrics.csv is flushed row by row: complete on disk
         plot_loss(run.out.path)
     run.out.write_summary(**summary)  # last: "completed" only once everything else is on disk
     if run.world > 1:

@@ -1,0 +1,254 @@
+"""Runs that never lose results (issue 17), through the CLI with real signals: a finished run
+is not resumed over, one process writes a run directory, and SIGINT, SIGTERM or kill -9 at any
+moment (before the first metrics row, before the loop, inside a checkpoint save, under
+--nproc 2) leaves an honest summary.json, intact checkpoints, and a run that resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.errors import ConfigError
+from kiln.train import load_checkpoint, read_metrics, train
+from kiln.train._checkpoint import latest, step_checkpoints
+from kiln.train._run_dir import RunLock
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+# long enough never to finish while a test works on it; a row every step slows it a little
+LONG = ["train.max_steps=100000", "train.eval_every=0", "train.progress=none"]
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def _start(out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kiln", "train", *args, f"train.output_dir={out}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def _wait_for(proc: subprocess.Popen, pattern: str, root: Path, timeout: float = 120) -> Path:
+    """The first path under ``root`` matching ``pattern``, once it appears while ``proc`` runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = list(root.glob(pattern))
+        if found:
+            return found[0]
+        assert proc.poll() is None, f"ended early: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, f"{pattern} never appeared"
+        time.sleep(0.005)
+
+
+def _ended(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, list[str]]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, [line for line in err.splitlines() if line.strip()]
+
+
+def _newest_step(run: Path) -> int:
+    return step_checkpoints(run)[-1][0]
+
+
+def _resume_to(run: Path, steps: int) -> dict:
+    assert main(["train", "--resume", str(run), f"train.max_steps={steps}", "train.progress=none"]) == 0
+    summary = _summary(run)
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    logged = [int(r["step"]) for r in read_metrics(run)]
+    assert logged == sorted(set(logged)) and logged[-1] == steps  # no step twice, none after the end
+    return summary
+
+
+def test_resuming_a_finished_run_is_refused_before_anything_is_rewritten(tmp_path, capsys):
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=10", "train.log_every=5",
+                 "train.checkpoint_every=5"]) == 0
+    (run,) = tmp_path.iterdir()
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert _summary(run)["eval"] and _summary(run)["final_train_loss"] > 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 2
+    assert main(["train", "--resume", str(run), "train.max_steps=10"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0] == err[1]
+    assert err[0].startswith("kiln: error: ") and "already trained 10 steps" in err[0]
+    assert f"kiln train --resume {run} train.max_steps=N with N > 10" in err[0]
+    # the library refuses it as well, before it touches the directory
+    with pytest.raises(ConfigError, match="already trained 10 steps"):
+        train(load_config(run / "config.yaml"), resume=run)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_kill_9_before_the_first_metrics_row_resumes(tmp_path):
+    # checkpoint_every < log_every: checkpoints on disk, and not one metrics row yet
+    proc = _start(tmp_path, MLP, *LONG, "train.checkpoint_every=2", "train.log_every=100000")
+    _wait_for(proc, "*/checkpoints/step-00000002", tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    (run,) = tmp_path.iterdir()
+    assert _summary(run)["status"] == "running"
+    assert (run / "metrics.csv").read_text().startswith("step,epoch,train_loss")  # the header is on disk
+    assert read_metrics(run) == []
+    # and a metrics.csv left with no header at all (as kiln 0.1 left it) is an empty log
+    (run / "metrics.csv").write_text("")
+    summary = _resume_to(run, _newest_step(run) + 2)
+    assert summary["resumed"][0]["step"] == summary["steps"] - 2
+    assert len(read_metrics(run)) == 1
+
+
+def test_a_second_writer_is_refused_and_a_killed_writer_does_not_block(tmp_path):
+    proc = _start(tmp_path, MLP, *LONG, "train.log_every=1", "train.checkpoint_every=5",
+                  "train.keep_checkpoints=1000")
+    _wait_for(proc, "*/checkpoints/step-00000005", tmp_path)
+    (run,) = tmp_path.iterdir()
+    # a resume of the live run, and a new run told to write the same directory
+    second = [_start(tmp_path / "other", "--resume", str(run)),
+              _start(tmp_path / "other", MLP, env={"KILN_RUN_DIR": str(run)})]
+    for other in second:
+        code, err = _ended(other)
+        assert code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"kiln: error: {run} is being written by process {proc.pid} on ")
+        assert f"kiln train --resume {run}" in err[0]
+    assert proc.poll() is None  # the writer never noticed
+    assert _summary(run)["status"] == "running" and "resumed" not in _summary(run)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    RunLock.acquire(run).release()  # the kernel dropped the killed writer's lock: nothing stale blocks
+
+
+def test_ctrl_c_right_after_the_run_directory_is_made_marks_it_interrupted(tmp_path):
+    proc = _start(tmp_path, MLP, *LONG)
+    run = _wait_for(proc, "*/summary.json", tmp_path).parent  # the first file in a new run directory
+    os.kill(proc.pid, signal.SIGINT)
+    code, err = _ended(proc)
+    assert code == 130 and err == ["kiln: interrupted"]
+    summary = _summary(run)
+    assert summary["status"] == "interrupted" and "KeyboardInterrupt" in summary["error"]
+
+
+_SLOW_SECOND_SAVE = """
+import pathlib, sys, time
+from torch.distributed.checkpoint import filesystem
+
+real, calls, marker = filesystem._FileSystemWriter.write_data, [], pathlib.Path(sys.argv.pop(1))
+
+def write_data(self, plan, planner):
+    calls.append(1)
+    if len(calls) == 2:  # inside the second save: tell the test, and give it time to signal
+        marker.touch()
+        time.sleep(60)
+    return real(self, plan, planner)
+
+filesystem._FileSystemWriter.write_data = write_data
+from kiln.cli import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt_not_a_failure(tmp_path):
+    marker, out = tmp_path / "saving", tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SECOND_SAVE, str(marker), "train", MLP, *LONG, "train.checkpoint_every=2",
+         "train.log_every=1", f"train.output_dir={out}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    _wait_for(proc, "saving", tmp_path)
+    os.kill(proc.pid, signal.SIGINT)  # DCP wraps the KeyboardInterrupt in a CheckpointException
+    code, err = _ended(proc)
+    assert code == 130 and err == ["kiln: interrupted"], err
+    (run,) = out.iterdir()
+    summary = _summary(run)
+    assert summary["status"] == "interrupted" and summary["failed_at_step"] == 4
+    assert "write_data" in summary["traceback"]  # it landed inside DCP's save
+    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.endswith(".tmp")] == ["step-00000002"]
+    assert load_checkpoint(run / "checkpoints" / "step-00000002")["step"] == 2
+    assert [int(r["step"]) for r in read_metrics(run)] == [1, 2, 3, 4]
+    _resume_to(run, 6)
+
+
+def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
+    proc = _start(tmp_path, MLP, *LONG, "train.log_every=1", "train.checkpoint_every=5")
+    _wait_for(proc, "*/checkpoints/step-00000005", tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, err = _ended(proc)
+    assert code == 143 and err == ["kiln: terminated (SIGTERM)"]
+    (run,) = tmp_path.iterdir()
+    summary = _summary(run)
+    assert summary["status"] == "interrupted" and "Terminated" in summary["error"]
+    path, state = latest(run)
+    assert state["step"] == _newest_step(run) and load_checkpoint(path)["step"] == state["step"]
+    logged = [int(r["step"]) for r in read_metrics(run)]
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) >= state["step"]
+
+
+# ------------------------------------------------------------------------------ --nproc 2
+
+
+def _children(pid: int) -> dict[int, int]:
+    """rank -> pid of the torchrun workers under launcher ``pid``."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in (stat.parent / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError):
+            continue
+        if "RANK" in env:
+            ranks[int(env["RANK"])] = int(stat.parent.name)
+    return ranks
+
+
+def _start_two(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    proc = _start(tmp_path, MLP, "--nproc", "2", *LONG, "train.log_every=5", "train.checkpoint_every=10",
+                  "parallel.timeout_s=60")
+    (run,) = [p.parents[1] for p in [_wait_for(proc, "*/checkpoints/step-00000010", tmp_path)]]
+    return proc, run
+
+
+@pytest.mark.slow
+def test_two_processes_ctrl_c_gives_one_line_and_the_launcher_holds_the_lock(tmp_path):
+    proc, run = _start_two(tmp_path)
+    for extra in ([], ["--nproc", "2"]):  # a resume of the live run, in one process or two
+        code, err = _ended(_start(tmp_path / "other", "--resume", str(run), *extra))
+        assert code == 2 and len(err) == 1, err
+        assert f"is being written by process {proc.pid} on " in err[0]  # the launcher
+    os.kill(proc.pid, signal.SIGINT)  # the launcher, as a Ctrl-C in its terminal reaches it first
+    code, err = _ended(proc)
+    assert code == 130 and "Traceback" not in "\n".join(err)
+    assert err[-1] == (f"kiln: interrupted (SIGINT); {run} keeps its checkpoints; continue with "
+                       f"kiln train --resume {run} --nproc 2")
+    assert _summary(run)["status"] == "interrupted"
+    _resume_to(run, _newest_step(run) + 2)
+
+
+@pytest.mark.slow
+def test_two_processes_sigterm_marks_the_run_interrupted(tmp_path):
+    proc, run = _start_two(tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, err = _ended(proc)
+    assert code == 143 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("kiln: interrupted (SIGTERM); ")
+    assert _summary(run)["status"] == "interrupted"
+    assert load_checkpoint(latest(run)[0])["step"] >= 10
+
+
+@pytest.mark.slow
+def test_two_processes_a_killed_rank_0_is_marked_failed_by_the_launcher(tmp_path):
+    proc, run = _start_two(tmp_path)
+    workers = _children(proc.pid)
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[0], signal.SIGKILL)  # rank 0 cannot write its summary
+    code, err = _ended(proc)
+    assert code == 1 and "training failed" in err[-1]
+    summary = _summary(run)
+    assert summary["status"] == "failed" and re.search(r"rank 0: (Signal 9|killed by signal 9)", summary["error"])
+    _resume_to(run, _newest_step(run) + 2)  # its lock went with the launcher
