@@ -183,16 +183,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
         cfg = load_config(run_dir / "config.yaml", overrides)
         if "LOCAL_RANK" not in os.environ:
-            from kiln.train._checkpoint import checkpoint_to_resume
-            from kiln.train._run_dir import RunLock
-            from kiln.train._setup import check_extends
+            from kiln.train.loop import check_resume
 
-            # before any process starts (setup and the launcher check both again, and lock):
-            # a run another process writes, a checkpoint that does not match, no steps left
-            RunLock.acquire(run_dir).release()
-            step = checkpoint_to_resume(run_dir, cfg)[1]["step"]
-            if cfg.train.max_steps is not None:
-                check_extends(run_dir, step, cfg.train.max_steps)
+            # before any process starts: a run another process writes, a checkpoint that does
+            # not match, a finished run (refused with how to extend it)
+            check_resume(run_dir, cfg)
         command = ["--resume", str(run_dir), *overrides]
     elif args.config is None:
         raise _UsageError("kiln train needs a CONFIG file or --resume RUN_DIR (see kiln train --help)")
@@ -258,7 +253,8 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from kiln.train._run_dir import LOCK_HELD_ENV, RunDir, mark_stopped
+    from kiln.train import RunDir
+    from kiln.train.loop import LOCK_HELD_ENV, mark_stopped
 
     out = RunDir.open(run_dir) if run_dir is not None else RunDir.create(output_dir, name)  # locked
     run_dir = out.path
@@ -444,34 +440,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     from kiln.errors import ConfigError
     from kiln.errors import CheckpointError
-    from kiln.train import _run_dir
-    from kiln.train._run_dir import LOCK_HELD_ENV, RunDirBusy
+    from kiln.train.loop import LOCK_HELD_ENV, RunDirBusy, stop_signals, stopped_by
 
     import signal
-    import threading
 
     # SIGTERM, what schedulers send before they kill, stops a run as Ctrl-C does: the loop
     # marks it interrupted and its checkpoints stay as they are
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:  # (signal handlers can only be set there)
-        _run_dir._received.clear()
-        previous = {s: signal.signal(s, _run_dir.on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return args.func(args)
-    except (ConfigError, CheckpointError, RunDirBusy, _UsageError) as exc:
-        print(f"kiln: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except BaseException as exc:
-        stop = _run_dir.stopped_by(exc)  # an interrupt, also inside another error, or one after a stop signal
-        if stop is None or isinstance(exc, SystemExit):
-            raise
-        if LOCK_HELD_ENV not in os.environ:  # a worker of kiln's launcher leaves the line to it
-            print("kiln: terminated (SIGTERM)" if stop == signal.SIGTERM else "kiln: interrupted", file=sys.stderr)
-        return 128 + stop
-    finally:
-        if main_thread:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    with stop_signals():
+        try:
+            return _call(args)  # a full disk: one line, exit 1
+        except (ConfigError, CheckpointError, RunDirBusy, _UsageError) as exc:
+            print(f"kiln: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except BaseException as exc:
+            stop = stopped_by(exc)  # an interrupt, also inside another error, or one after a stop signal
+            if stop is None or isinstance(exc, SystemExit):
+                raise
+            if LOCK_HELD_ENV not in os.environ:  # a worker of kiln's launcher leaves the line to it
+                print("kiln: terminated (SIGTERM)" if stop == signal.SIGTERM else "kiln: interrupted",
+                      file=sys.stderr)
+            return 128 + stop
 
 
 if __name__ == "__main__":  # pragma: no cover

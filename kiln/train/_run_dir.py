@@ -11,6 +11,7 @@ dies, so a killed run never blocks its own resume.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import fcntl
@@ -19,9 +20,10 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
@@ -261,6 +263,23 @@ def on_stop_signal(signum: int, frame: Any) -> None:
     if signum == signal.SIGTERM:
         raise Terminated(f"SIGTERM (signal {signum})")
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Within it, SIGINT raises KeyboardInterrupt and SIGTERM (what schedulers send before they
+    kill) raises Terminated, and :func:`stopped_by` knows which came; the handlers before it
+    come back after. Only the main thread can set handlers: elsewhere it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _received.clear()
+    previous = {s: signal.signal(s, on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def stopped_by(exc: BaseException | None) -> int | None:

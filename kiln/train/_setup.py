@@ -40,7 +40,7 @@ from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
 from kiln.train._checkpoint import checkpoint_to_resume, load_into, set_rng_state
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
-from kiln.train._run_dir import CONFIG, RunDir
+from kiln.train._run_dir import CONFIG, RunDir, RunLock
 from kiln.train._tasks import Task, loss_from_logits
 
 
@@ -264,6 +264,16 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     except BaseException as exc:
         out.stopped(exc)
         raise
+
+
+def check_resume(run_dir: Path, cfg: Any) -> None:
+    """What ``kiln train --resume`` checks before it starts any process (setup and the launcher
+    check again, and lock): no other process writes ``run_dir``, its checkpoint matches
+    ``cfg``, and ``train.max_steps`` leaves steps to train."""
+    RunLock.acquire(run_dir).release()  # RunDirBusy, naming the writer
+    done = checkpoint_to_resume(run_dir, cfg)[1]["step"]
+    if cfg.train.max_steps is not None:  # (train.epochs: setup checks, once it knows the data)
+        check_extends(run_dir, done, cfg.train.max_steps)
 
 
 def check_extends(run_dir: Path, done: int, total_steps: int) -> None:
