@@ -205,6 +205,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             check_model(cfg)  # on the meta device: what the model allows, before any process starts
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         name = cfg.train.run_name or _run_name(Path(args.config or run_dir / "config.yaml"))
+        if run_dir is None and os.environ.get("KILN_RUN_DIR"):
+            run_dir = Path(os.environ["KILN_RUN_DIR"])  # the user named the run directory: the launcher opens it
         return _launch(command, args.nproc, args.max_restarts, run_dir, cfg.train.output_dir, name)
     # Under torchrun the launcher names the run directory; once it holds a checkpoint (an
     # elastic restart), the restarted processes continue from it.
