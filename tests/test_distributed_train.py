@@ -142,28 +142,16 @@ def test_the_elastic_agent_restarts_the_group_and_training_resumes(tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 400
 
 
-def _same_state(a: dict, b: dict) -> bool:
-    """Model, optimizer state and hyperparameters of two checkpoints are bitwise equal."""
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    same_model = a["model"].keys() == b["model"].keys() and all(torch.equal(v, b["model"][k])
-                                                              for k, v in a["model"].items())
-    same_state = sa.keys() == sb.keys() and all(torch.equal(torch.as_tensor(v), torch.as_tensor(sb[i][n]))
-                                                for i in sa for n, v in sa[i].items())
-    return same_model and same_state and a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-
-
 def test_a_sharded_checkpoint_resumes_under_other_layouts_with_the_same_weights(tmp_path):
     # Saved by 2 processes under ZeRO-2 (each rank writes its shard of the optimizer state).
-    # Resumed with train.max_steps at the checkpoint's step, a run loads and at once saves its
-    # final checkpoint in its own layout: that must equal the saved one bit for bit. Resumed from
-    # that, under yet another layout, the run must continue as the uninterrupted one did.
+    # Resumed from step 5 under another layout for two steps (a resume must have steps left:
+    # kiln refuses one that would only rewrite a finished run), saved there, and resumed from
+    # that under yet another layout, the run must continue as the uninterrupted one did.
     common = ["train.max_steps=10", "train.checkpoint_every=5", "train.log_every=5", "train.eval_every=0",
-              "optim.lr=1e-3", "data.name=synthetic_images", "train.clip_grad_norm=1.0"]
+              "optim.lr=1e-3", "optim.schedule=constant", "data.name=synthetic_images", "train.clip_grad_norm=1.0"]
     whole = _kiln("train", MLP, "--nproc", "2", "parallel.zero=2", *common, f"train.output_dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-2000:]
     run = _only_run(tmp_path / "whole")
-    saved = load_checkpoint(run / "checkpoints" / "step-00000005")
-    uninterrupted = json.loads((run / "summary.json").read_text())
     for case, (first, then) in enumerate([
         (("parallel.zero=0",), ("--nproc", "2", "parallel.zero=1")),  # 2 processes -> 1 -> 2 (ZeRO-1)
         (("--nproc", "4", "parallel.zero=3"), ("parallel.zero=0",)),  # 2 -> 4 (ZeRO-3: FSDP2) -> 1
@@ -171,15 +159,17 @@ def test_a_sharded_checkpoint_resumes_under_other_layouts_with_the_same_weights(
         copy = tmp_path / f"resume-{case}"
         shutil.copytree(run, copy)
         shutil.rmtree(copy / "checkpoints" / "final")  # as if killed after step 5
-        loaded = _kiln("train", "--resume", str(copy), *first, "train.max_steps=5")
+        loaded = _kiln("train", "--resume", str(copy), *first, "train.max_steps=7")
         assert loaded.returncode == 0, loaded.stderr[-2000:]
-        assert _same_state(saved, load_checkpoint(copy / "checkpoints" / "final")), first
-        shutil.rmtree(copy / "checkpoints" / "step-00000005")  # resume from the re-saved final
+        assert json.loads((copy / "summary.json").read_text())["steps"] == 7
+        shutil.rmtree(copy / "checkpoints" / "step-00000005")  # resume from the final of step 7
         again = _kiln("train", "--resume", str(copy), *then, "train.max_steps=10")
         assert again.returncode == 0, again.stderr[-2000:]
         summary = json.loads((copy / "summary.json").read_text())
         assert summary["steps"] == 10 and summary["processes"] == (2 if "--nproc" in then else 1)
         assert summary["resumed"][-1]["from"].endswith("final")
-        assert summary["final_train_loss"] == pytest.approx(uninterrupted["final_train_loss"], rel=1e-6)
-        assert _max_rel(load_checkpoint(run / "checkpoints" / "final")["model"],
-                        load_checkpoint(copy / "checkpoints" / "final")["model"]) < 1e-5
+        # (train losses are logged per window, which the extra stop at step 7 cuts differently)
+        a, b = load_checkpoint(run / "checkpoints" / "final"), load_checkpoint(copy / "checkpoints" / "final")
+        assert _max_rel(a["model"], b["model"]) < 1e-5
+        moments = {k: st["exp_avg"] for k, st in a["optimizer"]["state"].items()}
+        assert _max_rel(moments, {k: b["optimizer"]["state"][k]["exp_avg"] for k in moments}) < 1e-5

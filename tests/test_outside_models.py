@@ -6,12 +6,9 @@ Llama, BERT) built from their config classes. Each trains exactly as a plain PyT
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -244,7 +241,7 @@ def test_outside_models_train_under_every_acceleration(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["user", "gpt2", "llama", "bert"])
-def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, name):
+def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, kill_9_at, name):
     if name == "user":
         config, args = _user_config(tmp_path), ["train.max_steps=40"]
     else:
@@ -252,17 +249,7 @@ def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, name):
         config, args = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=40", "data.args.num_samples=512"]
     args += ["train.checkpoint_every=5", "train.log_every=5", "train.eval_every=20"]
     whole = _train(config, tmp_path / "whole", *args)
-    killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "train", str(config), *args,
-                             f"train.output_dir={killed_dir}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list(killed_dir.glob("*/checkpoints/step-00000015")):
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    run = _only_run(killed_dir)
+    run = kill_9_at([config, *args], tmp_path / "killed", "step-00000015")
     assert main(["train", "--resume", str(run)]) == 0
     a, b = (json.loads((r / "summary.json").read_text()) for r in (whole, run))
     assert b["status"] == "completed" and a["final_train_loss"] == b["final_train_loss"] and a["eval"] == b["eval"]

@@ -5,11 +5,8 @@ after a resume in another layout. The trainer's checks are in float64, to 1e-12.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -127,22 +124,11 @@ def test_a_resume_with_other_accumulation_continues_the_same_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_across_epoch_ends_with_accumulation_is_bitwise(tmp_path):
+def test_kill_9_then_resume_across_epoch_ends_with_accumulation_is_bitwise(tmp_path, kill_9_at):
     args = [MLP, *SMALL, "train.max_steps=60", "train.accumulate=4", "train.checkpoint_every=7",
             "train.keep_checkpoints=2"]
     whole = _run(tmp_path, "whole", *args[1:])
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "train", *args, f"train.output_dir={killed}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list(killed.glob("*/checkpoints/step-00000007")):  # step 7: mid-epoch 1
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    (run,) = killed.iterdir()
-    assert not (run / "checkpoints" / "final").exists()
+    run = kill_9_at(args, tmp_path / "killed", "step-00000007")  # step 7: mid-epoch 1
     assert main(["train", "--resume", str(run)]) == 0
     _assert_same_training(whole, run, tol=0)
 
