@@ -360,22 +360,11 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _disk_full_in(exc: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT OSError behind ``exc``, also where a checkpoint save wrapped it (DCP's
-    CheckpointException keeps each rank's error in ``failures``); None if there is none."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        err = todo.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in _DISK_FULL:
-            return err
-        todo += [err.__cause__, err.__context__]
-        failures = getattr(err, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return None
+    """The ENOSPC/EDQUOT OSError behind ``exc``, also where a checkpoint save wrapped it; None
+    if there is none."""
+    from kiln.train.loop import find_cause
+
+    return find_cause(exc, lambda e: isinstance(e, OSError) and e.errno in _DISK_FULL)  # type: ignore[return-value]
 
 
 def _disk_full_message(exc: BaseException, full: OSError) -> str:

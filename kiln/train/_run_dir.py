@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
@@ -292,9 +292,10 @@ def stopped_by(exc: BaseException | None) -> int | None:
     return _received[-1] if _received else None
 
 
-def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (or Terminated) behind ``exc``: itself, or one that another error
-    wraps (torch.distributed.checkpoint's CheckpointException keeps it in ``failures``)."""
+def find_cause(exc: BaseException | None, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first error behind ``exc`` that ``match`` accepts: ``exc`` itself, its causes and
+    contexts, and the per-rank errors another error keeps (torch.distributed.checkpoint's
+    CheckpointException holds them in ``failures``, as ``(exception, traceback)``)."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -302,15 +303,20 @@ def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, KeyboardInterrupt):
+        if match(e):
             return e
         failures = getattr(e, "failures", None)
         for failure in failures.values() if isinstance(failures, dict) else ():
-            failure = failure[0] if isinstance(failure, tuple) else failure  # DCP: (exception, traceback)
+            failure = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(failure, BaseException):
                 todo.append(failure)
         todo += [e.__cause__, e.__context__]
     return None
+
+
+def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or Terminated) behind ``exc`` (see :func:`find_cause`)."""
+    return find_cause(exc, lambda e: isinstance(e, KeyboardInterrupt))  # type: ignore[return-value]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:

@@ -43,10 +43,10 @@ from kiln.train._tasks import batch_size, evaluate, micro_batch_loss, to_device
 
 # what ``kiln train`` (kiln/cli.py) needs around a run: checks before a resume, the one-writer
 # lock's refusal and its hand-over to the launcher's workers, and how a stop is told apart
-from kiln.train._run_dir import LOCK_HELD_ENV, RunDirBusy, mark_stopped, stop_signals  # noqa: E402
+from kiln.train._run_dir import LOCK_HELD_ENV, RunDirBusy, find_cause, mark_stopped, stop_signals  # noqa: E402
 from kiln.train._setup import check_resume  # noqa: E402
 
-__all__ = ["LOCK_HELD_ENV", "RunDirBusy", "RunResult", "check_resume", "mark_stopped", "peak_memory_mb",
+__all__ = ["LOCK_HELD_ENV", "RunDirBusy", "RunResult", "check_resume", "find_cause", "mark_stopped", "peak_memory_mb",
            "stop_signals", "stopped_by", "train", "train_step"]
 
 
