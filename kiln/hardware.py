@@ -1,0 +1,100 @@
+"""What the machine computes natively, from torch's own capability queries.
+
+kiln's speed claims depend on the hardware: bf16 is fast where the CPU has AVX-512-BF16 or
+AMX (or the GPU has bf16 units) and several times slower than fp32 where it is emulated.
+Benchmarks record :func:`machine_info` in their JSON and print :func:`machine_line` above
+their tables, so that every figure says which machine it came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo``'s model name), or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpu_query(name: str) -> bool:
+    query = getattr(torch.cpu, name, None)
+    try:
+        return bool(query()) if query is not None else False
+    except RuntimeError:  # a build without the query's backend
+        return False
+
+
+@functools.cache
+def cpu_capability() -> dict[str, Any]:
+    """The CPU's vector units as torch sees them.
+
+    ``capability`` is what torch's kernels were dispatched to (``DEFAULT``, ``AVX2``,
+    ``AVX512``, ...); ``native_bf16`` is true where bf16 matrix multiplies run on hardware
+    (AVX-512-BF16 or AMX), not emulated through fp32.
+    """
+    flags = {
+        "avx2": _cpu_query("_is_avx2_supported"),
+        "avx512": _cpu_query("_is_avx512_supported"),
+        "avx512_bf16": _cpu_query("_is_avx512_bf16_supported"),
+        "amx": _cpu_query("_is_amx_tile_supported"),
+        "amx_fp16": _cpu_query("_is_amx_fp16_supported"),
+    }
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        **flags,
+        "native_bf16": flags["avx512_bf16"] or flags["amx"],
+        "native_fp16": flags["amx_fp16"],
+    }
+
+
+def native_low_precision(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``device`` computes ``dtype`` (bf16 or fp16) matrix multiplies natively."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if dtype == torch.bfloat16:
+            return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device)[0] >= 7  # tensor cores from Volta on
+    if device.type == "cpu":
+        caps = cpu_capability()
+        return caps["native_bf16"] if dtype == torch.bfloat16 else caps["native_fp16"]
+    return dtype == torch.bfloat16  # other accelerators (mps, xpu): assume native
+
+
+def machine_info() -> dict[str, Any]:
+    """The facts a benchmark's JSON records about where it ran."""
+    caps = cpu_capability()
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cpu_capability": caps["capability"],
+        "native_bf16": caps["native_bf16"],
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_bf16"] = torch.cuda.is_bf16_supported()
+    return info
+
+
+def machine_line(info: dict[str, Any] | None = None) -> str:
+    """One line for a table header: CPU, capability, bf16, threads, torch."""
+    info = info or machine_info()
+    bf16 = "native bf16" if info["native_bf16"] else "bf16 emulated"
+    gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
+    return (f"{info['cpu']} ({info['cpu_capability']}, {bf16}), {info['threads']} thread(s) of "
+            f"{info['cpu_count']} cores, torch {info['torch']}{gpu}")
