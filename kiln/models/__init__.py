@@ -10,6 +10,7 @@ from kiln.models._plan import STYLE_NAMES, ParallelPlan, PipelinePlan, TensorPar
 from kiln.models._registry import (
     create_model,
     example_input,
+    families_with,
     find_plan,
     list_models,
     model_config_class,
@@ -29,4 +30,4 @@ from kiln.models import bert as _bert  # noqa: F401  isort: skip
 
 __all__ = ["create_model", "register_model", "list_models", "model_config_class", "example_input",
            "ParallelPlan", "TensorParallelPlan", "PipelinePlan", "TPContext", "STYLE_NAMES", "register_plan",
-           "model_plan", "find_plan", "models_with", "repeated_blocks"]
+           "model_plan", "find_plan", "models_with", "families_with", "repeated_blocks"]

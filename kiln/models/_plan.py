@@ -53,8 +53,16 @@ STYLE_NAMES = {
                 "weights, its output a DTensor; nothing without sp",
     "sequence_residual": "as 'sequence', with a plain local (B, T/tp, C) output, for a module whose "
                          "output starts the residual stream",
-    "gather_sequence": "under sp, the module's input (T shards) is all-gathered to the whole "
-                       "sequence before it runs; nothing without sp",
+    "vocab_embedding_replicated": "as vocab_embedding, but the output is always all-reduced to the "
+                                  "whole (B, T, C), also under sp: for a model that reads the sequence "
+                                  "length from its embeddings (Hugging Face's), whose first block then "
+                                  "cuts the sequence (scatter_sequence)",
+    "gather_sequence": "under sp, the module's input (T shards: its first positional argument, or the "
+                       "keyword hidden_states) is all-gathered to the whole sequence before it runs; "
+                       "nothing without sp",
+    "scatter_sequence": "under sp, the module's input (the whole sequence, the same on every rank) is cut "
+                        "to this rank's T/tp rows before it runs (no communication forward; its gradient "
+                        "is all-gathered); nothing without sp",
     "positions": "under sp, a position table's (T, C) output is sliced to this rank's T/tp rows; "
                  "nothing without sp",
 }
@@ -111,6 +119,16 @@ class PipelinePlan:
     depth_option: the config field holding the number of blocks (checked before building).
     tied_by: the config option that ties a first-stage weight to a last-stage one (tied input
         and output embeddings), which stages on different ranks cannot share; None if none.
+    shared: modules every stage keeps, holding buffers only (a rotary-embedding table the
+        model computes once per forward for all its blocks).
+    zero_when_skipped: ``first`` modules whose output the forward *adds* to the stream (a
+        position table): on later stages they return 0 instead of passing their input on.
+    call: how a stage runs, ``call(stage, x, first) -> tensor``: ``x`` is the batch's inputs on
+        the first stage (``first=True``) and the previous stage's output after it (a Hugging
+        Face model takes the latter as ``inputs_embeds`` and returns a ModelOutput). Default:
+        ``stage(x)``.
+    sequence_shards: whether stages may pass sequence-parallel shards (B, T/tp, C) to each
+        other; False for a model that reads the sequence length from a stage's input.
     """
 
     first: tuple[str, ...]
@@ -118,6 +136,10 @@ class PipelinePlan:
     last: tuple[str, ...]
     depth_option: str = "depth"
     tied_by: str | None = None
+    shared: tuple[str, ...] = ()
+    zero_when_skipped: tuple[str, ...] = ()
+    call: Callable[[Any, Any, bool], Any] | None = None
+    sequence_shards: bool = True
 
     def depth(self, model_cfg: Any) -> int:
         return getattr(model_cfg, self.depth_option)
@@ -132,10 +154,16 @@ class PipelinePlan:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A family's tensor-parallel and pipeline plans (either may be None: not supported)."""
+    """A family's tensor-parallel and pipeline plans (either may be None: not supported).
+
+    ``held_shape(name, shape) -> shape``: for a family whose tensor-parallel plan holds a
+    parameter in another shape than the model's (same elements; GPT-2's fused q/k/v weight as
+    (C, 3, C) so that a rank's heads are one box), the shape under which every layout holds it
+    in checkpoints, so that they move between layouts; None: every shape unchanged."""
 
     tp: TensorParallelPlan | None = None
     pp: PipelinePlan | None = None
+    held_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
     capabilities: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:

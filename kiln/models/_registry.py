@@ -101,16 +101,27 @@ def model_plan(name: str) -> ParallelPlan | None:
 
 def find_plan(obj: Any) -> ParallelPlan | None:
     """The parallel plan for a model (or a model config) object, by its class or the nearest
-    base class with one; None if there is none."""
+    base class with one, else a Hugging Face family's (:mod:`kiln.models.hf_plans`); None if
+    there is none."""
     for cls in type(obj).__mro__:
         if cls in _PLANS_BY_TYPE:
             return _PLANS_BY_TYPE[cls]
-    return None
+    from kiln.models.hf_plans import hf_plan
+
+    return hf_plan(obj)
 
 
 def models_with(capability: str) -> list[str]:
-    """Registered models whose plan has ``capability`` (``"tp"`` or ``"pp"``), sorted."""
+    """Registered models whose plan has ``capability`` (``"tp"`` or ``"pp"``), sorted; for
+    messages, :func:`families_with` also lists the Hugging Face families."""
     return sorted(name for name, plan in _PLANS.items() if capability in plan.capabilities)
+
+
+def families_with(capability: str) -> list[str]:
+    """kiln's registered models and the Hugging Face families whose plan has ``capability``."""
+    from kiln.models.hf_plans import hf_families
+
+    return models_with(capability) + hf_families(capability)
 
 
 def repeated_blocks(model: nn.Module, path: str | None = None) -> nn.ModuleList | nn.Sequential:

@@ -47,17 +47,20 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
                           "ranks; it needs parallel.tp > 1")
     if tp == 1 and pp == 1:
         return
-    from kiln.models import model_plan, models_with
+    from kiln.models import families_with, model_plan
 
     name = model.get("name")  # set only for registry models (see _validate_model)
-    plan = model_plan(name) if name else None
+    if name:
+        plan, model_cfg = model_plan(name), _model_options(model)
+    else:
+        plan, model_cfg = _target_plan(model)
     # what a layout needs is a capability of the family's registered parallel plan
     for key, size, cap, what in (("tp", tp, "tp", "a tensor-parallel"), ("pp", pp, "pp", "a pipeline")):
         if size > 1 and (plan is None or cap not in plan.capabilities):
             model_is = f"model {name!r}" if name else f"model._target_={model.get('_target_')!r}"
-            raise ConfigError(f"parallel.{key}={size} needs a model family that registers {what} plan "
-                              f"({', '.join(models_with(cap)) or 'none is registered'}); {model_is} has none. Use one "
-                              f"of those, or parallel.{key}=1 (data parallel, ZeRO and FSDP2 work with any model)")
+            raise ConfigError(f"parallel.{key}={size} needs a model family with {what} plan "
+                              f"({', '.join(families_with(cap)) or 'none is registered'}); {model_is} has none. Use "
+                              f"one of those, or parallel.{key}=1 (data parallel, ZeRO and FSDP2 work with any model)")
     if tp > 1 and par["zero"] in (1, 2):
         raise ConfigError(f"parallel.zero={par['zero']} shards kiln's flat arena, which cannot hold tensor-parallel "
                           f"(DTensor) parameters; with parallel.tp={tp} use parallel.zero=3 (FSDP2 over the "
@@ -72,18 +75,22 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
     if pp > 1 and train["compile"]:
         raise ConfigError(f"train.compile=true with parallel.pp={pp} is not supported: pipeline stages run their "
                           "own forward; set train.compile=false")
-    model_cfg = _model_options(model)
     if tp > 1:
         try:
             check_tp(model_cfg, tp, sequence_parallel=par["sequence_parallel"])
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if pp > 1:
+        where = "model" if name else "the model's config"  # kiln's option, or a transformers config's
         if plan.pp.ties(model_cfg):
             tie = plan.pp.tied_by
-            raise ConfigError(f"model.{tie}=true ties a weight of the first pipeline stage to one of the last "
+            raise ConfigError(f"{where}.{tie}=true ties a weight of the first pipeline stage to one of the last "
                               f"(the input embedding to the output layer), which parallel.pp={pp} puts on different "
-                              f"ranks; set model.{tie}=false")
+                              f"ranks; set {where}.{tie}=false")
+        if par["sequence_parallel"] and not plan.pp.sequence_shards:
+            raise ConfigError(f"parallel.sequence_parallel=true with parallel.pp={pp}: this model's stages read the "
+                              "sequence length from their input, so they cannot pass sequence shards; set "
+                              "parallel.sequence_parallel=false, or parallel.pp=1")
         microbatches = par["microbatches"] or 2 * pp
         try:
             # before the world size is known, only what does not depend on the batch per rank
@@ -91,6 +98,25 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
                            micro_batch if micro_batch is not None else microbatches, sizes=par["pp_stages"])
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def _target_plan(model: Any) -> tuple[Any, Any]:
+    """The parallel plan and the options its checks read (a Hugging Face model's ``config``) of
+    a ``_target_`` model, built on the ``meta`` device (shapes only, no memory, no weights)."""
+    import torch
+
+    from kiln.config import instantiate
+    from kiln.models import find_plan
+    from kiln.parallel._tp import model_options
+
+    node = {k: v for k, v in dict(model).items()}
+    try:
+        with torch.device("meta"):
+            built = instantiate(node)
+    except Exception as exc:  # noqa: BLE001  (a user's model: say which and why)
+        raise ConfigError(f"model._target_={model.get('_target_')!r} could not be built to check its parallel "
+                          f"layout: {type(exc).__name__}: {exc}") from None
+    return find_plan(built), model_options(built)
 
 
 def _model_options(model: Any) -> Any:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kiln.models import ParallelPlan, PipelinePlan, find_plan, model_plan, models_with
+from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, model_plan, models_with
 
 __all__ = ["SCHEDULES", "stage_ranges", "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline",
            "Pipeline"]
@@ -177,7 +177,8 @@ def _pp_plan(model: nn.Module, plan: ParallelPlan | None = None) -> PipelinePlan
     found = plan if plan is not None else find_plan(model)
     pp_plan = found.pp if found is not None else None
     if pp_plan is None:
-        shapes = "; ".join(f"{name}: {model_plan(name).pp.shape()}" for name in models_with("pp"))
+        shapes = "; ".join([f"{name}: {model_plan(name).pp.shape()}" for name in models_with("pp")]
+                           + [name for name in families_with("pp") if name not in models_with("pp")])
         raise TypeError(f"pipeline parallelism needs a model whose family registers a pipeline plan, a forward "
                         f"last(repeated(first(x))) with every parameter under those modules ({shapes or 'none'}); "
                         f"{type(model).__name__} has no pipeline plan. Train it with parallel.pp=1, or declare "
@@ -185,7 +186,7 @@ def _pp_plan(model: nn.Module, plan: ParallelPlan | None = None) -> PipelinePlan
     why = ""
     try:
         blocks = model.get_submodule(pp_plan.repeated)
-        for path in pp_plan.first + pp_plan.last:
+        for path in pp_plan.first + pp_plan.last + pp_plan.shared:
             model.get_submodule(path)
     except AttributeError as exc:
         why = f"it lacks a module its plan names ({exc})"
@@ -194,8 +195,9 @@ def _pp_plan(model: nn.Module, plan: ParallelPlan | None = None) -> PipelinePlan
             why = f"model.{pp_plan.repeated} is a {type(blocks).__name__}, not an nn.ModuleList"
     if not why:
         prefixes = tuple(f"{p}." for p in (*pp_plan.first, pp_plan.repeated, *pp_plan.last))
+        shared = tuple(f"{p}." for p in pp_plan.shared)  # buffers only: every stage keeps them
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+        names += [n for n, _ in model.named_buffers(remove_duplicate=False) if not n.startswith(shared)]
         stray = [n for n in names if not n.startswith(prefixes)]
         if stray:
             why = f"it has parameters outside them ({stray[0]})"
@@ -254,13 +256,47 @@ def cut_stage(model: nn.Module, ranges: list[range], index: int, *, plan: Parall
     # ModuleList's indices (block 5 stays block 5) and never copies the dropped weights
     memo: dict[int, Any] = {}
     if index != 0:
-        memo.update((id(model.get_submodule(p)), nn.Identity()) for p in pp_plan.first)
+        memo.update((id(model.get_submodule(p)), _Zero() if p in pp_plan.zero_when_skipped else _Skipped())
+                    for p in pp_plan.first)
     if index != len(ranges) - 1:
-        memo.update((id(model.get_submodule(p)), nn.Identity()) for p in pp_plan.last)
+        memo.update((id(model.get_submodule(p)), _Skipped()) for p in pp_plan.last)
     for i, block in enumerate(blocks):
         if i not in ranges[index]:
-            memo[id(block)] = nn.Identity()
+            memo[id(block)] = _Skipped()
     return copy.deepcopy(model, memo)
+
+
+class _Skipped(nn.Identity):
+    """What a stage has in place of a part another stage owns: passes the stream on, called as
+    the model calls the part (a block of a Hugging Face model gets keyword arguments too)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            return args[0]
+        for key in ("inputs_embeds", "hidden_states"):
+            if kwargs.get(key) is not None:
+                return kwargs[key]
+        raise TypeError(f"a skipped pipeline part was called without its input (keywords: {sorted(kwargs)})")
+
+
+class _Zero(nn.Identity):
+    """In place of a first-stage table whose output the forward adds to the stream (positions):
+    adds nothing on the later stages, which receive the sum already made."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return x.new_zeros(())
+
+
+class _StageCall(nn.Module):
+    """A stage module run as its plan's ``call`` says (``call(stage, x, first)``), for torch's
+    PipelineStage, which passes tensors between stages."""
+
+    def __init__(self, stage: nn.Module, call: Callable[..., Any], first: bool) -> None:
+        super().__init__()
+        self.stage, self.call, self.first = stage, call, first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(self.stage, x, self.first)
 
 
 # -- the pipeline ---------------------------------------------------------------------------------
@@ -335,8 +371,9 @@ class Pipeline:
     def __init__(self, stages: list[nn.Module], stage_indices: list[int], num_stages: int, *,
                  schedule: str, microbatches: int, loss_fn: Callable[..., torch.Tensor],
                  pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None,
-                 device: torch.device, timing: bool) -> None:
+                 device: torch.device, timing: bool, call: Callable[..., Any] | None = None) -> None:
         self.stages, self.stage_indices, self.num_stages = stages, stage_indices, num_stages
+        self.call = call  # the plan's way to run a stage (None: stage(x))
         self.schedule, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
         self.pp_group, self.dp_group, self.device, self.timing = pp_group, dp_group, device, timing
         self.pp_size, self.pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -470,8 +507,10 @@ class Pipeline:
         from torch.distributed import pipelining
 
         stage_cls = _timed_stage_class()
+        run = [module if self.call is None else _StageCall(module, self.call, first=index == 0)
+               for module, index in zip(self.stages, self.stage_indices)]
         stages = [stage_cls(module, index, self.num_stages, self.device, group=self.pp_group)
-                  for module, index in zip(self.stages, self.stage_indices)]
+                  for module, index in zip(run, self.stage_indices)]
         interleaved = self.schedule == "interleaved-1f1b"
         if mode == "train":
             cls, m, loss_fn = getattr(pipelining, SCHEDULES[self.schedule]), self.microbatches, self._scaled_loss
@@ -562,4 +601,4 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
     indices = list(range(rank, num_stages, pp))  # torch's loop order: stage s on pp rank s % pp
     stages = [cut_stage(model, ranges, i, plan=plan).to(device) for i in indices]
     return Pipeline(stages, indices, num_stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
-                    pp_group=pp_group, dp_group=dp_group, device=device, timing=timing)
+                    pp_group=pp_group, dp_group=dp_group, device=device, timing=timing, call=pp_plan.call)

@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
+    ParallelStyle,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -67,7 +67,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from kiln.models import STYLE_NAMES, ParallelPlan, TensorParallelPlan, TPContext, find_plan, models_with
+from kiln.models import STYLE_NAMES, ParallelPlan, TensorParallelPlan, TPContext, families_with, find_plan
 
 __all__ = ["apply_tp", "check_tp", "gather_logits",
            "tp_loss_context", "tp_sharded_names"]
@@ -89,9 +89,11 @@ _STYLES: dict[str, Callable[[TPContext], Any]] = {
     # summed over the ranks: a plain parameter here would silently get only its shard's part)
     "sequence": lambda ctx: SequenceParallel() if ctx.sequence_parallel else None,
     "sequence_residual": lambda ctx: SequenceParallel(use_local_output=True) if ctx.sequence_parallel else None,
+    "vocab_embedding_replicated": lambda ctx: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     # T shards -> DTensor all-gathered to (B, T, C) at the module's input
-    "gather_sequence": lambda ctx: (PrepareModuleInput(input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),))
-                                    if ctx.sequence_parallel else None),
+    "gather_sequence": lambda ctx: _SequenceInput(gather=True) if ctx.sequence_parallel else None,
+    # the whole (B, T, C) -> this rank's (B, T/tp, C) rows, at the module's input
+    "scatter_sequence": lambda ctx: _SequenceInput(gather=False) if ctx.sequence_parallel else None,
     # the vocab embedding gives this rank's (B, T/tp, C) slice, so the (T, C) position table must
     # too: slice its output (no communication forward; all-gather of its gradient backward)
     "positions": lambda ctx: (PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
@@ -100,13 +102,53 @@ _STYLES: dict[str, Callable[[TPContext], Any]] = {
 assert _STYLES.keys() == STYLE_NAMES.keys(), "kiln.parallel implements exactly the named styles kiln.models lists"
 
 
+class _SequenceInput(ParallelStyle):
+    """A module's input (its first positional argument, or the keyword ``hidden_states``, as
+    Hugging Face layers are called) moved between the sequence layout and the whole sequence:
+    ``gather=True``: T shards (a plain local (B, T/tp, C) or a Shard(1) DTensor) all-gathered
+    to a Replicate DTensor (B, T, C), whose gradient is reduce-scattered back; ``gather=False``:
+    the whole sequence, the same on every rank, cut to this rank's plain (B, T/tp, C) rows
+    (its gradient all-gathered back). Other arguments pass unchanged."""
+
+    def __init__(self, gather: bool) -> None:
+        super().__init__()
+        self.gather = gather
+
+    def _move(self, x: Any, mesh: DeviceMesh) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if self.gather:
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (_SEQ,), run_check=False)
+            return x.redistribute(mesh, (Replicate(),))
+        if isinstance(x, DTensor):
+            x = x.full_tensor()
+        tp = mesh.size()
+        if x.shape[1] % tp:
+            raise ValueError(f"sequence parallelism splits the {x.shape[1]} tokens of the input over "
+                             f"parallel.tp={tp} ranks; use inputs whose length is a multiple of {tp}")
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).redistribute(mesh, (_SEQ,)).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (self._move(args[0], device_mesh), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": self._move(kwargs["hidden_states"], device_mesh)}
+            raise TypeError(f"sequence parallelism: {type(mod).__name__} was called without a positional input or "
+                            "hidden_states=; its plan's gather_sequence/scatter_sequence cannot find the sequence")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
 def _tp_plan(obj: Any, plan: ParallelPlan | None = None) -> TensorParallelPlan | None:
     plan = plan if plan is not None else find_plan(obj)
     return plan.tp if plan is not None else None
 
 
 def _families() -> str:
-    return ", ".join(models_with("tp")) or "none"
+    return ", ".join(families_with("tp")) or "none"
 
 
 def check_tp(model_cfg: Any, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -123,6 +165,11 @@ def check_tp(model_cfg: Any, tp: int, *, sequence_parallel: bool = False) -> Non
                          f"{type(model_cfg).__name__}'s family has none")
     if tp_plan.check is not None:
         tp_plan.check(model_cfg, tp, sequence_parallel)
+
+
+def model_options(model: nn.Module) -> Any:
+    """What a plan's checks read: a kiln model's ``cfg``, a Hugging Face model's ``config``."""
+    return getattr(model, "cfg", None) or getattr(model, "config", None)
 
 
 def _matches(pattern: str, path: str) -> bool:
@@ -189,18 +236,20 @@ def _aliases(model: nn.Module) -> list[list[str]]:
 def _retie(model: nn.Module, aliases: list[list[str]]) -> None:
     """Make each group of tied names one parameter again: ``parallelize_module`` replaced each
     module's parameters by its own DTensor. Both sides must have been split alike."""
-    for first, *others in aliases:
-        keep = model.get_parameter(first)
-        for fqn in others:
-            owner_path, _, attr = fqn.rpartition(".")
-            owner = model.get_submodule(owner_path)
-            now = getattr(owner, attr)
-            layouts = [tuple(t.placements) if isinstance(t, DTensor) else "plain" for t in (keep, now)]
-            if layouts[0] != layouts[1]:
+    for names in aliases:
+        now = {fqn: model.get_parameter(fqn) for fqn in names}
+        split = {fqn: t for fqn, t in now.items() if isinstance(t, DTensor)}
+        if not split:
+            continue  # neither side split: still one tensor
+        first, keep = next(iter(split.items()))
+        for fqn, t in split.items():  # a side the plan does not name keeps the original: it follows
+            if tuple(t.placements) != tuple(keep.placements):
                 raise ValueError(f"apply_tp: {first} and {fqn} are one tied tensor, but the tensor-parallel plan lays "
-                                 f"them out as {layouts[0]} and {layouts[1]}; give both modules styles that split it "
-                                 "alike (vocab_embedding and vocab_head), or untie them")
-            setattr(owner, attr, keep)
+                                 f"them out as {tuple(keep.placements)} and {tuple(t.placements)}; give both modules "
+                                 "styles that split it alike (vocab_embedding and vocab_head), or untie them")
+        for fqn in names:
+            owner_path, _, attr = fqn.rpartition(".")
+            setattr(model.get_submodule(owner_path) if owner_path else model, attr, keep)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
@@ -230,8 +279,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_tp: the model already has DTensor parameters; apply it once, before apply_fsdp")
     tp = tp_mesh.size()
-    if tp_plan.check is not None and getattr(model, "cfg", None) is not None:
-        tp_plan.check(model.cfg, tp, False)  # inputs may be shorter than seq_len: T is checked per batch
+    model_cfg = model_options(model)
+    if tp_plan.check is not None and model_cfg is not None:
+        tp_plan.check(model_cfg, tp, False)  # inputs may be shorter than seq_len: T is checked per batch
     ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, mesh=tp_mesh)
     resolved = _resolve(model, tp_plan, ctx)
     aliases = _aliases(model)
