@@ -235,8 +235,9 @@ def test_toy_family_capabilities_come_from_its_plan(toy):
         check_parallel_config(validate({**base, "parallel": {"tp": 3}}))
     with pytest.raises(ConfigError, match=r"model.tie=true ties .* set model.tie=false"):
         check_parallel_config(validate({**base, "model": {"name": toy, "tie": True}, "parallel": {"pp": 2}}))
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 needs a model family that registers a tensor-parallel plan "
-                                          r"\(_toy, bert, gpt\); model 'vit' has none"):
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 needs a model family with a tensor-parallel plan "
+                                          r"\(_toy, bert, gpt, hf llama: LlamaForCausalLM, .*hf gpt2: GPT2LMHeadModel, hf bert: BertForMaskedLM\); "
+                                          r"model 'vit' has none"):
         check_parallel_config(validate({**base, "model": {"name": "vit"}, "parallel": {"tp": 2}}))
 
 
