@@ -1,4 +1,4 @@
-"""The ``kiln`` command: train | bench | plan | tune | report.
+"""The ``kiln`` command: train | bench | plan | tune | report | export.
 
 Errors in what the user typed (config, overrides, paths) print one clear line and exit with
 status 2, with no Python traceback; bugs still show their traceback.
@@ -26,6 +26,7 @@ examples:
   kiln plan configs/digits_vit.py                       what a config will build, without training
   kiln tune configs/digits_vit.py                       measure speed settings, recommend the fastest
   kiln report runs/A runs/B                             compare runs: curves and a summary table
+  kiln export RUN_DIR --to hf DIR                       a run's model for Hugging Face from_pretrained
   kiln bench optimizer                                  measure kiln against plain PyTorch
 """
 
@@ -73,6 +74,22 @@ the fullest rank.
 examples:
   kiln plan configs/digits_vit.py model.depth=8
   kiln plan configs/gpt2_medium.py --nproc 8 parallel.tp=4 parallel.pp=2 model.vocab_size=50304
+"""
+
+
+_EXPORT_HELP = """\
+Write a run's model, at one of its checkpoints, in another layout. --to hf DIR writes the
+Hugging Face layout (config.json and safetensors, with save_pretrained) that transformers'
+from_pretrained loads in one process, whatever layout the run trained in (processes, ZeRO,
+FSDP2, tensor and pipeline parallel). Only runs of transformers models export to hf.
+
+The model is built in this process from RUN_DIR/config.yaml and filled from the checkpoint
+(step-N/ or final/; nothing in it is executed). DIR must not exist or be empty: kiln never
+writes over files it did not make. A finished run already holds its final model in RUN_DIR/hf/.
+
+examples:
+  kiln export runs/hf_gpt2_tiny-20260101-120000 --to hf /tmp/gpt2-final
+  kiln export runs/hf_gpt2_tiny-20260101-120000 --step 100 --to hf /tmp/gpt2-step100
 """
 
 
@@ -151,6 +168,18 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", metavar="PNG", default="report.png", help="picture to write (default: report.png)")
     report.set_defaults(func=_cmd_report)
+
+    export = sub.add_parser(
+        "export", help="write a run's model at a checkpoint for Hugging Face from_pretrained",
+        description=_EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a kiln run directory (config.yaml, checkpoints/)")
+    export.add_argument("--step", type=int, default=None, metavar="N",
+                        help="the checkpoint of step N (checkpoints/step-N, or final/ if it is at step N); "
+                        "default: the newest")
+    export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"),
+                        help="FORMAT hf: the Hugging Face layout, written to DIR (new or empty)")
+    export.set_defaults(func=_cmd_export)
     return parser
 
 
@@ -349,6 +378,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from None
     print(table(runs))
     print(f"curves: {plot(runs, Path(args.out))}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from kiln.hf import describe
+    from kiln.train.loop import export_hf
+
+    fmt, out = args.to[0], Path(args.to[1])
+    if fmt != "hf":
+        raise _UsageError(f"--to {fmt}: the only export format is hf (the Hugging Face layout): --to hf DIR")
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise _UsageError(f"{out} exists and is not an empty directory; kiln export writes only a new or empty "
+                          "one: give another DIR, or remove it yourself")
+    written = export_hf(run_dir, out, step=args.step, say=lambda line: print(line, flush=True))
+    print(f"kiln: wrote {written}: {describe(written)}; load it with from_pretrained({str(written)!r})")
     return 0
 
 

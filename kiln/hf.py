@@ -1,4 +1,5 @@
-"""Hugging Face transformers models in kiln: build one in a config, write a run's model back out.
+"""Hugging Face transformers models in kiln: build one in a config, load a local checkpoint into
+any layout, write a run's model back out.
 
 A transformers model needs nothing from kiln to train: its class and config class are plain
 callables, so a config builds it with nested LazyCalls (random initialisation, no download)::
@@ -10,23 +11,48 @@ Weights from a local directory (``save_pretrained`` output: safetensors, sharded
 
     model = L(kiln.hf.from_pretrained)(path="/models/tiny-llama", model_class="AutoModelForCausalLM")
 
+Under ``kiln train`` that model is built from the directory's ``config.json`` with its
+parameters on the ``meta`` device (no memory, no initialisation; buffers such as rotary
+frequencies are computed for real), laid out over ``dp x tp x pp`` like any other, and only
+then filled by :func:`load_weights`: each rank reads from the safetensors files just the part of
+each tensor it holds (its FSDP2 shard, its tensor-parallel piece, its pipeline stages' tensors),
+through ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``. No rank holds the whole
+model unless the layout is one process. Called in plain Python, :func:`from_pretrained` returns
+the loaded model, as transformers' own does; ``lazy=True`` returns it unloaded, to be laid out
+and then filled with :func:`load_weights`::
+
+    >>> model = kiln.hf.from_pretrained("/models/tiny-llama", lazy=True)      # doctest: +SKIP
+    >>> par = kiln.parallel.parallelize(model, layout, zero=3)                 # doctest: +SKIP
+    >>> kiln.hf.load_weights(par.model, "/models/tiny-llama")                  # doctest: +SKIP
+
 At the end of a run, a transformers model is also written in the Hugging Face layout to
-``RUN_DIR/hf/`` (:func:`save_hf`), which ``from_pretrained`` loads in one process.
+``RUN_DIR/hf/`` (``kiln.train.loop.export_hf``, which ``kiln export`` runs for any checkpoint),
+which ``from_pretrained`` loads in one process.
+
+Loading never executes code: safetensors headers and data only (no pickle), and the config is
+transformers' JSON ``config.json`` without ``trust_remote_code``.
 
 This module is imported only where it is used: ``import kiln`` never imports transformers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["from_pretrained", "is_hf_model", "save_hf"]
+__all__ = ["copy_weights", "deferred_weights", "describe", "from_pretrained", "is_hf_model", "load_weights",
+           "materialize", "meta_parameters", "save_hf", "weights_source", "write_pretrained"]
 
 _INSTALL = "pip install 'kiln[hf]'"
+_SOURCE = "_kiln_hf_source"  # set on a model built without its weights: the directory to read them from
+_DEFERRED = contextvars.ContextVar("kiln_hf_deferred", default=False)
 
 
 def _transformers() -> Any:
@@ -37,9 +63,53 @@ def _transformers() -> Any:
     return transformers
 
 
-def from_pretrained(path: str, model_class: str = "AutoModelForCausalLM", **kwargs: Any) -> nn.Module:
+# ------------------------------------------------------------------------------------ building
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Inside this context :func:`from_pretrained` reads no weights: it returns the model built
+    from ``config.json`` with its parameters on ``meta`` (see ``lazy=True``). ``kiln train``
+    builds the model in it, lays it out, then calls :func:`load_weights`."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Modules built inside this context get their parameters on the ``meta`` device (shapes
+    and dtypes only: no memory, and initialisation costs nothing), while their buffers are
+    computed for real, on the current device: rotary frequencies, position ids and other
+    non-persistent buffers are not in a checkpoint and must not be lost. (``torch.device("meta")``
+    would make buffers meta too.) Parameters already on ``meta`` and tied parameters stay as
+    they are."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def from_pretrained(path: str, model_class: str = "AutoModelForCausalLM", *, lazy: bool | None = None,
+                    **kwargs: Any) -> nn.Module:
     """``transformers.<model_class>.from_pretrained(path)`` from a local directory only (kiln
-    never downloads at run time); ``kwargs`` go to ``from_pretrained`` (e.g. ``dtype``)."""
+    never downloads at run time); ``kwargs`` go to transformers (e.g. ``dtype``).
+
+    ``lazy=True``: build the model from ``path/config.json`` with its parameters on ``meta``
+    and read no weights; :func:`load_weights` reads them once the model is laid out. Default:
+    lazy inside :func:`deferred_weights` (``kiln train``), loaded otherwise."""
     transformers = _transformers()
     if not Path(path).is_dir():
         raise FileNotFoundError(f"kiln.hf.from_pretrained: {path} is not a directory; give the local directory "
@@ -48,7 +118,22 @@ def from_pretrained(path: str, model_class: str = "AutoModelForCausalLM", **kwar
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise ValueError(f"kiln.hf.from_pretrained: transformers has no model class {model_class!r} "
                          "(e.g. AutoModelForCausalLM, AutoModelForMaskedLM, LlamaForCausalLM)")
-    return cls.from_pretrained(path, local_files_only=True, **kwargs)
+    if not (_DEFERRED.get() if lazy is None else lazy):
+        return cls.from_pretrained(path, local_files_only=True, **kwargs)
+    _weight_files(Path(path))  # a directory without safetensors is refused before anything is built
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)  # JSON; no remote code
+    with meta_parameters():
+        # Auto classes pick the class from the config; a concrete class builds itself
+        model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
+    model.eval()  # as from_pretrained returns it
+    setattr(model, _SOURCE, str(Path(path).resolve()))
+    return model
+
+
+def weights_source(model: nn.Module) -> str | None:
+    """The directory whose weights a lazily built model (``from_pretrained(lazy=True)``) still
+    has to read, or None."""
+    return getattr(model, _SOURCE, None)
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -60,21 +145,246 @@ def is_hf_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
+# ------------------------------------------------------------------------------------- loading
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        also = (f" ({', '.join(pickled)} are pickles, which kiln does not load: they can execute code; rewrite them "
+                "with save_pretrained(..., safe_serialization=True))") if pickled else ""
+        raise FileNotFoundError(f"kiln.hf: {path} holds no .safetensors weights{also}")
+    return files
+
+
+def _file_tensors(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor in the directory's safetensors files: name -> (file, shape). Reads headers only."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key in out:
+                    raise ValueError(f"kiln.hf: {key} is in both {out[key][0].name} and {file.name} in {path}; "
+                                     "a checkpoint directory holds each tensor once")
+                out[key] = (file, tuple(f.get_slice(key).get_shape()))
+    return out
+
+
+def _held_tensors(model: nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """What the model holds and a checkpoint fills: parameters (a tied one once, with all its
+    names, first name first) and persistent buffers, keyed by their first name."""
+    names: dict[int, list[str]] = {}
+    first: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        first.setdefault(id(p), p)
+    out = {ns[0]: [(n, first[i]) for n in ns] for i, ns in names.items()}
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                fqn = f"{prefix}.{name}" if prefix else name
+                out.setdefault(fqn, [(fqn, b)])
+    return out
+
+
+def _in_file(names: list[str], found: dict[str, Any], prefix: str) -> str | None:
+    """The file's name for a tensor the model holds under ``names``: the same name, else with
+    the base model's prefix taken off or put on (a ``LlamaModel`` checkpoint in a
+    ``LlamaForCausalLM``, and the other way round)."""
+    for name in names:
+        tries = [name]
+        if prefix:
+            tries += [name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [f"{prefix}.{name}"]
+        for candidate in tries:
+            if candidate in found:
+                return candidate
+    return None
+
+
+def materialize(model: nn.Module, device: torch.device | str | None) -> None:
+    """Give every parameter still on ``meta`` uninitialised memory on ``device`` (FSDP2 and
+    tensor-parallel DTensors get their local shard only), keeping tied parameters tied."""
+    if not any(t.is_meta for t in model.parameters()):
+        return
+    if device is None:
+        device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():  # every module once; a tied parameter under several modules
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, name))
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for places in holders.values():  # _apply replaced each holder's copy on its own: tie them again
+        module, name = places[0]
+        for other, other_name in places[1:]:
+            other._parameters[other_name] = module._parameters[name]
+
+
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The tensor this rank writes into (a DTensor's local shard) and where it lies in the whole."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str | Path | None = None, *, device: torch.device | str | None = None) -> int:
+    """Fill ``model`` from the safetensors files of local Hugging Face directory ``path``
+    (default: where :func:`from_pretrained` with ``lazy=True`` built it from); return how many
+    elements this rank read.
+
+    ``model`` may be laid out in any way (FSDP2, tensor parallel, this rank's pipeline stages
+    under the whole model's names, ``Parallel.model``): each rank reads only the part of each
+    tensor it holds, straight from the files (DCP's ``HuggingFaceStorageReader`` reads each
+    target's box with safetensors' ``get_slice``). A collective when a process group is up:
+    every rank calls it. Parameters still on ``meta`` get memory on ``device`` first (default:
+    where the buffers are). A tensor held in another shape with as many elements as in the file
+    (GPT-2's fused ``c_attn`` held as ``(C, 3, C)``) is read whole and reshaped: the held shape
+    cuts it elsewhere than the file's. A file tensor the model does not hold is ignored; a held
+    parameter that the files lack is an error (persistent buffers keep their computed values)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    path = Path(path if path is not None else weights_source(model) or "")
+    if not str(path) or not path.is_dir():
+        raise FileNotFoundError(f"kiln.hf.load_weights: {str(path) or 'no path given'} is not a directory; give the "
+                                "local directory that save_pretrained wrote")
+    found = _file_tensors(path)
+    materialize(model, device)
+    prefix = getattr(model, "base_model_prefix", "")
+    exact: dict[str, torch.Tensor] = {}  # file name -> target: read box by box through DCP
+    reshaped: list[tuple[str, torch.Tensor]] = []  # (file name, target) held in another shape
+    missing, wrong = [], []
+    for fqn, named in _held_tensors(model).items():
+        t = named[0][1]
+        key = _in_file([n for n, _ in named], found, prefix)
+        if key is None:
+            if isinstance(t, nn.Parameter):
+                missing.append(fqn)
+            continue
+        shape = found[key][1]
+        if tuple(t.shape) == shape:
+            exact[key] = t.detach()
+        elif math.prod(shape) == t.numel():
+            reshaped.append((key, t.detach()))
+        else:
+            wrong.append(f"{fqn} {tuple(t.shape)} (file: {shape})")
+    if missing or wrong:
+        what = (f"lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "") + \
+            ("; " if missing and wrong else "") + (f"has other shapes for {', '.join(wrong[:4])}" if wrong else "")
+        raise ValueError(f"kiln.hf.load_weights: {path} {what} ({len(missing) + len(wrong)} tensors); "
+                         "is it a checkpoint of this model and config?")
+
+    read = 0
+
+    class Counting(DefaultLoadPlanner):  # each read item is one box of one file tensor
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            nonlocal read
+            read += math.prod(read_item.lengths)
+            return super().resolve_tensor(read_item)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(exact, storage_reader=HuggingFaceStorageReader(str(path)), planner=Counting(),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+    for key, t in reshaped:
+        file, shape = found[key]
+        with safe_open(str(file), framework="pt") as f:
+            whole = f.get_tensor(key).reshape(t.shape)
+        local, box = _local_box(t)
+        local.copy_(whole[box])
+        read += whole.numel()
+    if hasattr(model, _SOURCE):
+        delattr(model, _SOURCE)
+    return read
+
+
+@torch.no_grad()
+def copy_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``model`` (plain, parameters possibly on ``meta``) from whole tensors keyed by its
+    parameter and buffer names, as a kiln checkpoint holds them; a tensor kept in another shape
+    with as many elements is reshaped to the model's. Every parameter must be given (a tied one
+    under any of its names)."""
+    materialize(model, None)
+    missing = []
+    for fqn, named in _held_tensors(model).items():
+        t = named[0][1]
+        source = next((tensors[n] for n, _ in named if n in tensors), None)
+        if source is None:
+            if isinstance(t, nn.Parameter):
+                missing.append(fqn)
+            continue
+        if source.numel() != t.numel():
+            raise ValueError(f"{fqn}: the checkpoint holds {tuple(source.shape)}, the model {tuple(t.shape)}")
+        t.copy_(source.reshape(t.shape))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+                         f"({len(missing)} parameters)")
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def _save_pretrained(model: nn.Module, directory: Path, state_dict: dict[str, Any] | None) -> None:
+    logging = _transformers().utils.logging
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # kiln's own progress says where the run is
+    try:
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def save_hf(model: nn.Module, directory: Path | str, state_dict: dict[str, Any] | None = None) -> Path:
     """Write ``model`` with ``save_pretrained`` (safetensors) to ``directory``; ``state_dict``:
-    the whole model's tensors when the model itself holds only shards (FSDP2).
+    the whole model's tensors when the model itself holds only shards.
 
     The tensors are written as copies: in kiln's arena every parameter is a view of one flat
     buffer, which save_pretrained would take for weights tied to each other."""
     directory = Path(directory)
     state = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in state.items()}
-    logging = _transformers().utils.logging
-    shown = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()  # kiln's own progress says where the run is
-    try:
-        model.save_pretrained(directory, state_dict=state, safe_serialization=True)
-    finally:
-        if shown:
-            logging.enable_progress_bar()
+    _save_pretrained(model, directory, state)
     return directory
+
+
+def write_pretrained(model: nn.Module, directory: Path | str) -> Path:
+    """``save_pretrained`` of a plain model that holds its own tensors (no arena), atomically:
+    written beside ``directory`` and renamed into place, so a directory named ``directory`` is
+    always complete. An existing ``directory`` is replaced."""
+    import shutil
+    import tempfile
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh name beside it (same file system: the rename is atomic), never one a user may own
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        _save_pretrained(model, tmp, None)
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def describe(directory: Path | str) -> str:
+    """``N tensors, X MB in K files`` of a safetensors directory (headers only)."""
+    found = _file_tensors(Path(directory))
+    files = _weight_files(Path(directory))
+    size = sum(f.stat().st_size for f in files)
+    return f"{len(found)} tensors, {size / 2**20:.1f} MB in {len(files)} file{'s' if len(files) > 1 else ''}"
+

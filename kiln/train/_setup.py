@@ -22,6 +22,7 @@ from torch import nn
 from kiln._version import __version__
 from kiln.config import save_config
 from kiln.errors import ConfigError
+from kiln.hf import deferred_weights, load_weights, materialize, weights_source
 from kiln.parallel import Parallel, ZeroOptimizer, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
@@ -165,7 +166,14 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     task = build_task(cfg, data)
     per_epoch = steps_per_epoch(data.train, tc.accumulate)
     _check_steps(cfg, data, layout, per_epoch)
-    model = build_model(cfg.model).to(device, dtype=precision.param_dtype)
+    with deferred_weights():  # kiln.hf.from_pretrained: parameters on meta, its weights read once laid out
+        model = build_model(cfg.model)
+    weights = weights_source(model)  # the local Hugging Face directory they come from, or None
+    if weights is not None and layout.pp > 1:
+        # build_pipeline copies its stages .to(device), which meta tensors refuse: until it
+        # leaves them be, a pipeline rank starts from the whole model, uninitialised
+        materialize(model, device)
+    model = _to(model, device, precision.param_dtype)
     check_model(cfg, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
     if tc.activation_checkpointing != "none":
@@ -181,6 +189,11 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
                       loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
     # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
     # (there is no one flat arena to slice).
+    if weights is not None and resumed is None:
+        # each rank reads from the safetensors files only the part of each tensor it holds
+        load_weights(par.model, weights, device=device)
+    elif weights is not None:
+        materialize(par.model, device)  # the checkpoint fills it, below
     optimizer = build_optimizer(cfg.optim, par.model, contiguous=None if par.arena else False)
     precision.attach(par.model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
     if world > 1:
@@ -264,6 +277,15 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     except BaseException as exc:
         out.stopped(exc)
         raise
+
+
+def _to(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``model.to(device, dtype)``, leaving parameters on ``meta`` there (dtype changed): they
+    get memory once the model is laid out."""
+    if not any(p.is_meta for p in model.parameters()):
+        return model.to(device, dtype=dtype)
+    return model._apply(lambda t: t.to(device=None if t.is_meta else device,
+                                       dtype=dtype if t.is_floating_point() else None))
 
 
 def check_resume(run_dir: Path, cfg: Any) -> None:
