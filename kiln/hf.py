@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 import warnings
 from pathlib import Path
@@ -235,6 +236,40 @@ def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
+def _split_reads(held: tuple[int, ...], stored: tuple[int, ...],
+                 box: tuple[slice, ...]) -> list[tuple[tuple[slice, ...], tuple]] | None:
+    """Where the box ``box`` of a tensor held as ``held`` lies in the file's ``stored`` shape,
+    when ``held`` splits each stored dimension into consecutive ones (GPT-2's (C, 3C) held as
+    (C, 3, C)): ``[(file slices, index into the local box)]``, one contiguous run per entry (a
+    tensor-parallel shard of (C, 3, C) is 3 runs of (C, C/tp)); None when ``held`` is no such
+    split, or the runs would be too many to read one by one."""
+    groups, i = [], 0
+    for size in stored:
+        group, product = [], 1
+        while i < len(held) and (product < size or not group):
+            product *= held[i]
+            group.append(i)
+            i += 1
+        if product != size:
+            return None
+        groups.append(group)
+    if i != len(held):
+        return None
+    per_dim = []  # per stored dimension: (file slice, index of the local box's held dimensions)
+    for group in groups:
+        *outer, last = group
+        strides = [math.prod(held[j + 1:last + 1]) for j in outer]
+        runs = []
+        for index in itertools.product(*(range(box[j].start, box[j].stop) for j in outer)):
+            start = sum(x * s for x, s in zip(index, strides)) + box[last].start
+            runs.append((slice(start, start + box[last].stop - box[last].start),
+                         tuple(x - box[j].start for x, j in zip(index, outer)) + (slice(None),)))
+        per_dim.append(runs)
+    if math.prod(len(runs) for runs in per_dim) > 4096:
+        return None
+    return [(tuple(r[0] for r in combo), sum((r[1] for r in combo), ())) for combo in itertools.product(*per_dim)]
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, path: str | Path | None = None, *, device: torch.device | str | None = None) -> int:
     """Fill ``model`` from the safetensors files of local Hugging Face directory ``path``
@@ -247,8 +282,8 @@ def load_weights(model: nn.Module, path: str | Path | None = None, *, device: to
     target's box with safetensors' ``get_slice``). A collective when a process group is up:
     every rank calls it. Parameters still on ``meta`` get memory on ``device`` first (default:
     where the buffers are). A tensor held in another shape with as many elements as in the file
-    (GPT-2's fused ``c_attn`` held as ``(C, 3, C)``) is read whole and reshaped: the held shape
-    cuts it elsewhere than the file's. A file tensor the model does not hold is ignored; a held
+    (GPT-2's fused ``c_attn`` held as ``(C, 3, C)``) is read as the few contiguous runs its box
+    makes in the file's shape (whole, when the held shape is not the file's split further). A file tensor the model does not hold is ignored; a held
     parameter that the files lack is an error (persistent buffers keep their computed values)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -298,13 +333,21 @@ def load_weights(model: nn.Module, path: str | Path | None = None, *, device: to
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.load(exact, storage_reader=HuggingFaceStorageReader(str(path)), planner=Counting(),
                  no_dist=not (dist.is_available() and dist.is_initialized()))
-    for key, t in reshaped:
+    for key, t in reshaped:  # a few runs of each (its box in the file's shape), or the whole tensor
         file, shape = found[key]
-        with safe_open(str(file), framework="pt") as f:
-            whole = f.get_tensor(key).reshape(t.shape)
         local, box = _local_box(t)
-        local.copy_(whole[box])
-        read += whole.numel()
+        runs = _split_reads(tuple(t.shape), shape, box)
+        with safe_open(str(file), framework="pt") as f:
+            if runs is None:
+                whole = f.get_tensor(key).reshape(t.shape)
+                local.copy_(whole[box])
+                read += whole.numel()
+                continue
+            part = f.get_slice(key)
+            for where, into in runs:
+                piece = part[where]
+                local[into].copy_(piece)
+                read += piece.numel()
     if hasattr(model, _SOURCE):
         delattr(model, _SOURCE)
     return read
