@@ -109,6 +109,27 @@ def _model_state(model: Modules) -> dict[str, Any]:
     return out
 
 
+def _held_shape(model: Modules) -> Any:
+    """``held(fqn, shape) -> shape``: the shape under which every layout checkpoints a tensor
+    (the family plan's ``held_shape``: GPT-2's fused q/k/v weight as (C, 3, C), which tensor
+    parallelism holds so); the identity for families without one."""
+    from kiln.models import find_plan
+
+    for m in _modules(model):
+        plan = find_plan(m) or getattr(m, "parallel_plan", None)
+        if plan is not None and plan.held_shape is not None:
+            return plan.held_shape
+    return lambda fqn, shape: tuple(shape)
+
+
+def _as_held(held: Any, fqn: str, t: Any) -> Any:
+    """``t`` viewed in its held shape (the same storage: loading into the view fills ``t``)."""
+    if not torch.is_tensor(t):
+        return t
+    shape = held(fqn, tuple(t.shape))
+    return t if shape == tuple(t.shape) else t.view(shape)
+
+
 def _indexed_params(optimizer: Optimizer) -> list[tuple[int, list[torch.Tensor]]]:
     """torch.optim's numbering: (start index, params) per group (a repeated tensor keeps its first index)."""
     out, start = [], 0
@@ -281,7 +302,8 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that died
     _barrier()
     try:
-        tensors: dict[str, Any] = {_MODEL + k: v for k, v in _model_state(model).items()}
+        held = _held_shape(model)
+        tensors: dict[str, Any] = {_MODEL + k: _as_held(held, k, v) for k, v in _model_state(model).items()}
         tensors.update({_MASTER + k: v for k, v in (masters or {}).items()})
         names = _param_names(model, masters)
         local: dict[str, Any] = {"state": {}, "param_groups": []}
@@ -292,7 +314,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                 raise ValueError("save_sharded: the optimizer holds a parameter that is not in the model "
                                  "(pass masters= for tensors it steps in the model's place)")
             fqn = {i: names[id(p)] for i, p in indexed}
-            shape = {i: p.shape for i, p in indexed}
+            shape = {i: torch.Size(held(names[id(p)], tuple(p.shape))) for i, p in indexed}
             sharded = _sharded(optimizer)
             # a shard's own state dict: this rank's pieces, and where they lie (no gather)
             osd = (sharded or optimizer).state_dict()
@@ -306,7 +328,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                     if sharded is not None and k != "step":
                         chunks[f"{_STATE}{fqn[idx]}.{k}"] = (shape[idx], _piece_boxes(shape[idx], pieces.get(idx), v))
                     else:
-                        tensors[f"{_STATE}{fqn[idx]}.{k}"] = v
+                        tensors[f"{_STATE}{fqn[idx]}.{k}"] = _as_held(held, fqn[idx], v)
                     entry["tensors"].append(k)
                 local["state"][fqn[idx]] = entry
             for g in osd["param_groups"]:
@@ -450,7 +472,8 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     reader = _SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     states = [get_model_state_dict(m) for m in _modules(model)]
-    targets: dict[str, Any] = {_MODEL + k: v for sd in states for k, v in sd.items()}
+    held = _held_shape(model)
+    targets: dict[str, Any] = {_MODEL + k: _as_held(held, k, v) for sd in states for k, v in sd.items()}
     targets.update({_MASTER + k: v for k, v in (masters or {}).items()})
     missing = [k for k in targets if k not in saved]
     if missing and strict:
@@ -472,15 +495,17 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             for k in entry["tensors"]:
                 key = f"{_STATE}{fqn}.{k}"
                 size, dtype = tuple(saved[key].size), saved[key].properties.dtype
+                held_p = held(fqn, tuple(p.shape))
                 if sharded is not None and k != "step":  # this rank's piece only, read as chunks
                     a, b = pieces.get(idx, (0, 0))
                     st[k] = torch.zeros(b - a, dtype=dtype, device=p.device)
-                    chunks[key] = _piece_boxes(p.shape, pieces.get(idx), st[k])
+                    chunks[key] = _piece_boxes(held_p, pieces.get(idx), st[k])
                     continue
-                if size == tuple(p.shape):
+                if size == held_p:
                     st[k] = torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor p
-                else:
-                    st[k] = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
+                    targets[key] = _as_held(held, fqn, st[k])
+                    continue
+                st[k] = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
                 targets[key] = st[k]
             opt_targets[fqn] = st
     with warnings.catch_warnings():
@@ -488,7 +513,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
         dcp.load(targets, checkpoint_id=str(path), storage_reader=reader, planner=_LoadPlanner(chunks),
                  no_dist=not _dist())
     for m, sd in zip(_modules(model), states):
-        set_model_state_dict(m, {k: targets[_MODEL + k] for k in sd if _MODEL + k in targets},
+        set_model_state_dict(m, {k: targets[_MODEL + k].view(sd[k].shape) for k in sd if _MODEL + k in targets},
                              options=StateDictOptions(strict=strict))
     if optimizer is None:
         return meta["extra"]

@@ -23,6 +23,7 @@ whatever the layout:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -59,25 +60,36 @@ class Parallel:
 
         return tp_loss_context(True)
 
-    def logits(self, logits: Any) -> Any:
-        """Plain, whole logits from what the model returned (gathered over tp if sharded)."""
-        if self.loss_parallel:
-            from kiln.parallel._tp import gather_logits
+    def logits(self, outputs: Any) -> Any:
+        """What the model returned with plain, whole logits (gathered over tp if sharded): the
+        logits tensor itself, or a mapping (transformers' ModelOutput) holding ``logits``."""
+        if not self.loss_parallel:
+            return outputs
+        from kiln.parallel._tp import gather_logits
 
-            return gather_logits(logits)
-        return logits
+        if isinstance(outputs, Mapping) and "logits" in outputs:
+            outputs["logits"] = gather_logits(outputs["logits"])
+            return outputs
+        return gather_logits(outputs)
 
     def value(self, loss: torch.Tensor) -> torch.Tensor:
         """A detached plain tensor of a loss (tensor parallelism returns a replicated DTensor)."""
         loss = loss.detach()
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
-    def eval_forward(self, model: nn.Module) -> Callable[[torch.Tensor], Any]:
-        """``forward(inputs) -> whole logits`` for evaluation: through the pipeline (None on
-        ranks without the last stage), or the model with tensor-parallel logits gathered."""
+    def eval_forward(self, model: nn.Module) -> Callable[[Any], Any]:
+        """``forward(inputs) -> whole logits`` for evaluation, ``inputs`` a tensor or a mapping
+        of keyword arguments (a Hugging Face batch): through the pipeline (None on ranks without
+        the last stage), or the model with tensor-parallel logits gathered."""
         if self.pipeline is not None:
-            return self.pipeline.forward
-        return lambda inputs: self.logits(model(inputs))
+            def through_pipeline(inputs: Any) -> Any:
+                if isinstance(inputs, Mapping):
+                    raise TypeError("a pipeline (parallel.pp > 1) takes batches (inputs, targets); this data gives "
+                                    f"mappings ({', '.join(inputs)}): use a dataset of tuples, or parallel.pp=1")
+                return self.pipeline.forward(inputs)
+
+            return through_pipeline
+        return lambda inputs: self.logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
 
     def share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The metrics of the rank that computed them (the last pipeline stage) on every rank."""
@@ -186,9 +198,11 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
     if pipeline is None:
         view = model
     else:
+        from kiln.models import find_plan
         from kiln.parallel._pp import _pp_plan
 
         view = _RankView(pipeline.stages, _pp_plan(model, plan))
+        view.parallel_plan = plan if plan is not None else find_plan(model)  # checkpoints read its held shapes
     return Parallel(view, layout, zero=zero, mesh=mesh, pipeline=pipeline, loss_parallel=loss_parallel)
 
 

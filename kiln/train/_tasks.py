@@ -143,32 +143,42 @@ def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch
     return loss
 
 
-@torch.inference_mode()
 def evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device,
              dtype: torch.dtype = torch.float32, forward: Callable[[torch.Tensor], Any] | None = None,
-             share: Callable[[dict[str, float]], dict[str, float]] | None = None) -> dict[str, float]:
+             share: Callable[[dict[str, float]], dict[str, float]] | None = None,
+             grad: bool = False) -> dict[str, float]:
     """The task's metrics over the whole loader under inference mode, each summed per sample
     (per scored token for losses on logits), so the last, smaller batch counts with its true
     weight.
 
-    ``forward(inputs) -> logits`` replaces ``model(inputs)`` for tuple batches (a pipeline
-    returns None on ranks without the last stage, which then only feed it); ``share(metrics)``
-    hands the metrics of the rank that computed them to every rank."""
+    ``forward(inputs) -> outputs`` replaces ``model(inputs)`` (``inputs``: a tuple batch's first
+    element, or a mapping batch whole; a pipeline returns None on ranks without the last
+    stage, which then only feed it); ``share(metrics)``
+    hands the metrics of the rank that computed them to every rank. ``grad=True``
+    (``train.eval_grad``) leaves autograd on, as a hand-written loop without ``no_grad`` does:
+    each batch's forward records its graph, freed at the next batch; only for measuring that."""
+    with torch.inference_mode(not grad):
+        return _evaluate(task, model, loader, device, dtype, forward, share)
+
+
+def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, dtype: torch.dtype,
+              forward: Callable[[torch.Tensor], Any] | None,
+              share: Callable[[dict[str, float]], dict[str, float]] | None) -> dict[str, float]:
     was_training = model.training
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
 
     def add(name: str, value: torch.Tensor, count: Any) -> None:
-        sums[name] = sums.get(name, 0) + value.double()
+        sums[name] = sums.get(name, 0) + value.detach().double()  # (grad=True: no graph kept across batches)
         counts[name] = counts.get(name, 0) + count
 
     names = task.metric_names()
     fed_only = False  # a pipeline rank without the last stage: it computes no metric
     for batch in loader:
         batch = to_device(batch, device, dtype)
-        if forward is not None and not isinstance(batch, Mapping):
-            outputs = forward(batch[0])
+        if forward is not None:
+            outputs = forward(batch if isinstance(batch, Mapping) else batch[0])
             if outputs is None:
                 fed_only = True
                 continue

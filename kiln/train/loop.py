@@ -22,6 +22,8 @@ data-parallel ranks, the global-norm clip), the optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import datetime as _dt
 import time
 import traceback
@@ -126,6 +128,9 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     for batch in step.micro:  # a tuple (inputs, targets, ...) or a mapping (HF: input_ids, labels, ...)
         batch = to_device(batch, run.device, precision.input_dtype)
         if par.pipeline is not None:  # the schedule runs forward and backward of its micro-batches
+            if isinstance(batch, Mapping):
+                raise TypeError("a pipeline (parallel.pp > 1) takes batches (inputs, targets); this data gives "
+                                f"mappings ({', '.join(batch)}): use a dataset of tuples, or parallel.pp=1")
             with precision.autocast():
                 loss = par.pipeline.step(batch[0], batch[1])
         else:
@@ -177,7 +182,8 @@ def _train_metrics(run: Run, step: int, grad_norm: torch.Tensor | None) -> dict[
 def _evaluate(run: Run) -> dict[str, float]:
     with run.precision.autocast():
         run.last_eval = evaluate(run.task, run.model, run.data.val, run.device, run.precision.input_dtype,
-                                 forward=run.par.eval_forward(run.model), share=run.par.share_metrics)
+                                 forward=run.par.eval_forward(run.model), share=run.par.share_metrics,
+                                 grad=run.cfg.train.eval_grad)
     return {f"eval_{k}": v for k, v in run.last_eval.items()}
 
 
@@ -313,8 +319,14 @@ def _hf_from_checkpoint(cfg: Any, checkpoint_dir: Path, to: Path) -> Path:
     from kiln.parallel import read_sharded
     from kiln.train._build import build_model
 
-    with deferred_weights(), meta_parameters():  # shapes only: the checkpoint gives every value
-        model = build_model(cfg.model)
+    try:
+        with deferred_weights(), meta_parameters():  # shapes only: the checkpoint gives every value
+            model = build_model(cfg.model)
+    except Exception as exc:  # noqa: BLE001  (a from_pretrained directory since removed: its config.json is needed)
+        cause = exc if isinstance(exc, FileNotFoundError) else exc.__cause__  # (instantiate wraps it)
+        if not isinstance(cause, FileNotFoundError):
+            raise
+        raise ConfigError(f"the run's model cannot be built to export it: {cause}") from None
     if not is_hf_model(model):
         kind = f"{type(model).__module__}.{type(model).__qualname__}"
         raise ConfigError(f"the run's model is {kind}, not a transformers model: only Hugging Face models "
