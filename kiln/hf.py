@@ -110,7 +110,8 @@ def from_pretrained(path: str, model_class: str = "AutoModelForCausalLM", *, laz
 
     ``lazy=True``: build the model from ``path/config.json`` with its parameters on ``meta``
     and read no weights; :func:`load_weights` reads them once the model is laid out. Default:
-    lazy inside :func:`deferred_weights` (``kiln train``), loaded otherwise."""
+    lazy inside :func:`deferred_weights` (``kiln train``) and under ``torch.device("meta")``
+    (shapes only: kiln's layout checks, ``kiln plan``), loaded otherwise."""
     transformers = _transformers()
     if not Path(path).is_dir():
         raise FileNotFoundError(f"kiln.hf.from_pretrained: {path} is not a directory; give the local directory "
@@ -119,7 +120,9 @@ def from_pretrained(path: str, model_class: str = "AutoModelForCausalLM", *, laz
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise ValueError(f"kiln.hf.from_pretrained: transformers has no model class {model_class!r} "
                          "(e.g. AutoModelForCausalLM, AutoModelForMaskedLM, LlamaForCausalLM)")
-    if not (_DEFERRED.get() if lazy is None else lazy):
+    if lazy is None:  # inside kiln train's build, or built for its shapes only (checks, kiln plan)
+        lazy = _DEFERRED.get() or torch.get_default_device().type == "meta"
+    if not lazy:
         return cls.from_pretrained(path, local_files_only=True, **kwargs)
     _weight_files(Path(path))  # a directory without safetensors is refused before anything is built
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)  # JSON; no remote code

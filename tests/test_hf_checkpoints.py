@@ -39,7 +39,8 @@ def _source(family: str):
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                             bos_token_id=0, eos_token_id=0, tie_word_embeddings=False))
     return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
-                                      eos_token_id=0, tie_word_embeddings=family == "gpt2"))
+                                      eos_token_id=0, tie_word_embeddings=family == "gpt2",
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # layouts draw other masks
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,8 @@ def test_a_local_directory_loads_lazily_in_one_process_as_transformers_loads_it(
     eager = kiln.hf.from_pretrained(str(path))
     assert not any(p.is_meta for p in eager.parameters()) and torch.equal(_logits(eager), _logits(ref))
     with kiln.hf.deferred_weights():
+        assert all(p.is_meta for p in kiln.hf.from_pretrained(str(path)).parameters())
+    with torch.device("meta"):  # shapes only (layout checks, kiln plan): transformers' own would refuse
         assert all(p.is_meta for p in kiln.hf.from_pretrained(str(path)).parameters())
 
 
@@ -270,7 +273,10 @@ def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, tm
     # the last step's model, written by the two ranks' checkpoint shards
     assert torch.allclose(_logits(exported), _logits(_model_at(two / "checkpoints" / "final", source)),
                           rtol=0, atol=1e-5)
-    assert torch.allclose(_logits(exported), _logits(_reference(one / "hf")), rtol=0, atol=1e-5)
+    # and the same training as one process: tensor parallelism sums in another order, which Adam's
+    # normalised steps carry into the weights (4 steps at lr 1e-2: about 1e-4 in the logits)
+    gap = (_logits(exported) - _logits(_reference(one / "hf"))).abs().max()
+    assert gap < (5e-4 if "parallel.tp=2" in layout else 1e-5), gap
 
 
 def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretrained, tmp_path, capsys):
@@ -298,6 +304,10 @@ def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretr
     model_block = text[:text.index("data:")]
     (mlp / "config.yaml").write_text(text.replace(model_block, "model:\n  name: mlp\n  in_features: 64\n"
                                                                "  num_classes: 10\n"))
+    gone = tmp_path / "gone"  # a run whose pretrained directory was removed since
+    gone.mkdir()
+    (gone / "checkpoints").symlink_to(run / "checkpoints")
+    (gone / "config.yaml").write_text(text.replace(str(source), str(tmp_path / "removed")))
     keep = tmp_path / "full"
     keep.mkdir()
     (keep / "mine.txt").write_text("a user's file")
@@ -309,6 +319,8 @@ def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretr
         (str(run), "--to", "onnx", str(tmp_path / "x")): "--to onnx: the only export format is hf",
         (str(mlp), "--to", "hf", str(tmp_path / "x")):
             "the run's model is kiln.models.mlp.MLPNet, not a transformers model: only Hugging Face models export to hf",
+        (str(gone), "--to", "hf", str(tmp_path / "x")): f"the run's model cannot be built to export it: "
+            f"kiln.hf.from_pretrained: {tmp_path / 'removed'} is not a directory",
     }
     for args, message in refusals.items():
         assert main(["export", *args]) == 2, args
