@@ -95,7 +95,8 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
         try:
             # before the world size is known, only what does not depend on the batch per rank
             check_pipeline(plan.pp.depth(model_cfg), pp, par["pp_schedule"], microbatches,
-                           micro_batch if micro_batch is not None else microbatches, sizes=par["pp_stages"])
+                           micro_batch if micro_batch is not None else microbatches, sizes=par["pp_stages"],
+                           depth_name=f"{where}.{plan.pp.depth_option}")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

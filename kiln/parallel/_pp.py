@@ -131,14 +131,15 @@ def stage_ranges(depth: int, num_stages: int, sizes: list[int] | None = None) ->
 
 
 def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_per_dp_rank: int,
-                   sizes: list[int] | None = None, *, virtual_stages: int = 2) -> None:
+                   sizes: list[int] | None = None, *, virtual_stages: int = 2, depth_name: str = "depth") -> None:
     """Reject a pipeline configuration before anything is built, naming the numbers and the
     fix: unknown schedule, fewer blocks than stages (virtual stages counted for
     ``interleaved-1f1b``), a bad ``sizes`` list, a batch that micro-batches do not divide,
     fewer micro-batches than pp ranks for ``1f1b`` / ``interleaved-1f1b``, and torch's
     constraint on Interleaved1F1B (``microbatches`` must be a multiple of its number of
     rounds, ``max(1, microbatches // pp)``). With ``pp == 1`` only the schedule name is
-    checked (no pipeline is built)."""
+    checked (no pipeline is built). ``depth_name``: what the message calls the block count
+    (the config key that sets it)."""
     schedule = _check_schedule(schedule)
     for name, value in (("parallel.pp", pp), ("parallel.microbatches", microbatches),
                         ("batch size per data-parallel rank", batch_per_dp_rank),
@@ -150,7 +151,7 @@ def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_
     n = _num_stages(pp, schedule, virtual_stages)
     if depth < n:
         what = f"pp={pp} x virtual_stages={virtual_stages} = {n}" if n != pp else f"pp={pp}"
-        raise ValueError(f"the model has depth={depth} blocks, fewer than the {what} pipeline stages "
+        raise ValueError(f"the model has {depth_name}={depth} blocks, fewer than the {what} pipeline stages "
                          f"(each stage needs a block); use a deeper model or fewer stages"
                          + (", or schedule 1f1b" if n != pp and depth >= pp else ""))
     stage_ranges(depth, n, sizes)
