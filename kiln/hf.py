@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 __all__ = ["copy_weights", "deferred_weights", "describe", "from_pretrained", "is_hf_model", "load_weights",
-           "materialize", "meta_parameters", "save_hf", "weights_source", "write_pretrained"]
+           "materialize", "meta_parameters", "weights_source", "write_pretrained"]
 
 _INSTALL = "pip install 'kiln[hf]'"
 _SOURCE = "_kiln_hf_source"  # set on a model built without its weights: the directory to read them from
@@ -382,28 +382,15 @@ def copy_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------- writing
 
 
-def _save_pretrained(model: nn.Module, directory: Path, state_dict: dict[str, Any] | None) -> None:
+def _save_pretrained(model: nn.Module, directory: Path) -> None:
     logging = _transformers().utils.logging
     shown = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # kiln's own progress says where the run is
     try:
-        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        model.save_pretrained(directory, safe_serialization=True)
     finally:
         if shown:
             logging.enable_progress_bar()
-
-
-def save_hf(model: nn.Module, directory: Path | str, state_dict: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` with ``save_pretrained`` (safetensors) to ``directory``; ``state_dict``:
-    the whole model's tensors when the model itself holds only shards.
-
-    The tensors are written as copies: in kiln's arena every parameter is a view of one flat
-    buffer, which save_pretrained would take for weights tied to each other."""
-    directory = Path(directory)
-    state = model.state_dict() if state_dict is None else state_dict
-    state = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in state.items()}
-    _save_pretrained(model, directory, state)
-    return directory
 
 
 def write_pretrained(model: nn.Module, directory: Path | str) -> Path:
@@ -418,7 +405,7 @@ def write_pretrained(model: nn.Module, directory: Path | str) -> Path:
     # a fresh name beside it (same file system: the rename is atomic), never one a user may own
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
     try:
-        _save_pretrained(model, tmp, None)
+        _save_pretrained(model, tmp)
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)
