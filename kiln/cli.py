@@ -130,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
     bench.add_argument("--out", metavar="DIR", help="output folder (default: bench_results/NAME)")
+    bench.add_argument("--family", metavar="F[,F]", help="parallel only: model families to lay out, among gpt, "
+                       "bert and llama (a Hugging Face Llama of the GPT's size); default gpt,bert")
     bench.set_defaults(func=_cmd_bench)
 
     plan = sub.add_parser(
@@ -330,16 +332,17 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kiln.bench import BENCHMARKS, run_benchmark
+    from kiln.bench import BENCHMARKS, check_benchmark, run_benchmark
 
     if args.list or not args.name:
         for name, (_, text) in sorted(BENCHMARKS.items()):
             print(f"{name:16s} {text}")
         return 0 if args.list else EXIT_USAGE
     try:
-        run_benchmark(args.name, args.out, quick=args.quick)
-    except KeyError as exc:
+        check_benchmark(args.name, family=args.family)
+    except (KeyError, ValueError) as exc:
         raise _UsageError(exc.args[0]) from None
+    run_benchmark(args.name, args.out, quick=args.quick, family=args.family)
     return 0
 
 
@@ -363,6 +366,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     if args.steps < 2:
         raise _UsageError(f"--steps {args.steps}: give at least 2 steps per trial")
+    from kiln.hardware import machine_line
+
+    # what is fastest depends on the hardware: bf16 pays only where it is native
+    print(f"machine: {machine_line()}", flush=True)
     rows = tune(args.config, args.overrides, steps=args.steps, compile=args.compile)
     print(table(rows))
     print(f"fastest: kiln train {args.config} {' '.join([*args.overrides, *rows[0]['overrides']])}")

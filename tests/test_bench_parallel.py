@@ -26,31 +26,25 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 SETTINGS = {"model": dict(vocab_size=256, seq_len=16, dim=128, depth=4, heads=4), "batch": 8, "microbatches": 4,
             "steps": 1, "warmup": 1, "profiled": 1}
 def _expected_local_params(name: str, tp: int, pp: int) -> int:
-    """The most parameters any rank holds under tp x pp, counted from the whole model."""
-    from kiln.models import create_model
-    from kiln.parallel._pp import stage_ranges
+    """The most parameters any rank holds under tp x pp, counted from the whole model's names
+    and its family's plan (kiln's GPT/BERT, or transformers' Llama)."""
+    from kiln.models import repeated_blocks
+    from kiln.parallel._pp import stage_of_parameters, stage_ranges
     from kiln.parallel._tp import tp_sharded_names  # what apply_tp splits; checked here against the real shards
 
-    model = create_model(name, **SETTINGS["model"])
+    model = bench._build(name, SETTINGS["model"])
     sharded = tp_sharded_names(model, tp)
-    ranges = stage_ranges(len(model.blocks), pp)
+    owner = stage_of_parameters(model, stage_ranges(len(repeated_blocks(model)), pp)) if pp > 1 else {}
     per_stage = [0] * pp
     for fqn, p in model.named_parameters():
-        if fqn.startswith("embed."):
-            stage = 0
-        elif fqn.startswith("head."):
-            stage = pp - 1
-        else:
-            block = int(fqn.split(".")[1])
-            stage = next(s for s, r in enumerate(ranges) if block in r)
-        per_stage[stage] += p.numel() // tp if fqn in sharded else p.numel()
+        per_stage[owner.get(fqn, 0)] += p.numel() // tp if fqn in sharded else p.numel()
     return max(per_stage)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_parallel")
-    result = bench.run(out, models=("gpt", "bert"), layouts=LAYOUTS, settings=SETTINGS)
+    result = bench.run(out, family="gpt,bert,llama", layouts=LAYOUTS, settings=SETTINGS)
     result["_out"] = out
     return result
 
@@ -60,12 +54,12 @@ def test_registered_and_files_written(report):
     out = report.pop("_out")
     assert json.loads((out / "parallel.json").read_text()) == json.loads(json.dumps(report))
     assert (out / "parallel.png").stat().st_size > 0
-    assert (out / "parallel.txt").read_text().count("\n") == 2 + 2 * len(LAYOUTS)
+    assert (out / "parallel.txt").read_text().count("\n") == 2 + 3 * len(LAYOUTS)
     assert [(r["model"], r["layout"]) for r in report["rows"]] == [
-        (m, f"{dp}x{tp}x{pp}") for m in ("gpt", "bert") for dp, tp, pp in LAYOUTS]
+        (m, f"{dp}x{tp}x{pp}") for m in ("gpt", "bert", "llama") for dp, tp, pp in LAYOUTS]
 
 
-@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("model", ["gpt", "bert", "llama"])
 def test_state_bytes_follow_the_layout(report, model):
     rows = {r["layout"]: r for r in report["rows"] if r["model"] == model}
     for layout, r in rows.items():
@@ -83,7 +77,7 @@ def test_state_bytes_follow_the_layout(report, model):
         assert r["samples_per_s"] > 0 and r["work_rss_bytes"] >= 0
 
 
-@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("model", ["gpt", "bert", "llama"])
 def test_comm_and_bubble(report, model):
     m = SETTINGS["microbatches"]
     for r in (r for r in report["rows"] if r["model"] == model):

@@ -26,7 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "zero": ("kiln.bench.zero", "per-rank bytes of parameters/gradients/optimizer state: data parallel vs ZeRO-1/2/3 at dp=2, 4"),
     "ddp": ("kiln.bench.ddp", "data-parallel scaling: samples/s of 2 processes x 1 thread vs 1 x 1 (ViT, small GPT), all-reduce ms/step"),
     "hf": ("kiln.bench.hf", "a Hugging Face GPT-2 trained by kiln train (fp32, compile, bf16-mixed) vs the transformers Trainer: samples/s"),
-    "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
+    "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT, or --family llama (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
 }
 
 
@@ -41,8 +41,29 @@ def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
     return importlib.import_module(BENCHMARKS[name][0]).run
 
 
-def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False) -> dict[str, Any]:
-    run = get_benchmark(name)  # an unknown name is refused before its folder is made
+def check_benchmark(name: str, family: str | None = None) -> dict[str, Any]:
+    """The options ``run`` of benchmark ``name`` takes besides ``quick``, checked: KeyError for
+    an unknown name, ValueError for an option it does not take or a bad value. ``family``: the
+    model families of a benchmark that takes them (``parallel``)."""
+    run = get_benchmark(name)
+    options: dict[str, Any] = {}
+    if family is not None:
+        import inspect
+
+        if "family" not in inspect.signature(run).parameters:
+            raise ValueError(f"kiln bench {name} takes no --family (only: parallel)")
+        from kiln.bench.parallel import check_family
+
+        check_family(family)
+        options["family"] = family
+    return options
+
+
+def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False,
+                  family: str | None = None) -> dict[str, Any]:
+    """Run benchmark ``name`` into ``out_dir`` (default ``bench_results/NAME``); a bad name or
+    option is refused (:func:`check_benchmark`) before the folder is made."""
+    options = check_benchmark(name, family)
     out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
     out.mkdir(parents=True, exist_ok=True)
-    return run(out, quick=quick)
+    return get_benchmark(name)(out, quick=quick, **options)

@@ -1,4 +1,7 @@
-"""``kiln bench parallel``: a LiBai-style table of ``dp x tp x pp`` layouts for GPT and BERT.
+"""``kiln bench parallel``: a LiBai-style table of ``dp x tp x pp`` layouts for GPT and BERT,
+or, with ``--family llama``, for a Hugging Face Llama of the same size (6.4 M parameters:
+width 256, 8 layers, 8 query and 4 key/value heads, SwiGLU width 768) split by its plan in
+``kiln/models/hf_plans.py``; ``--family gpt,llama`` puts the two side by side.
 
 One row per (model, layout) for the layouts 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x1, 2x1x2, 1x2x2
 (dp x tp x pp), laid out by :func:`kiln.parallel.parallelize` and trained with kiln's
@@ -79,11 +82,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.hardware import machine_info, machine_line
+
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (dp, tp, pp)
 MODELS = ("gpt", "bert")
-MODEL = dict(vocab_size=256, seq_len=128, dim=256, depth=8, heads=8)  # 6.5 M parameters (GPT)
+FAMILIES = ("gpt", "bert", "llama")  # --family: kiln's own GPT and BERT, transformers' Llama
+MODEL = dict(vocab_size=256, seq_len=128, dim=256, depth=8, heads=8)  # 6.5 M parameters (GPT), 6.4 M (Llama)
 BATCH, MICROBATCHES = 16, 4           # global batch per step; micro-batches per dp rank's batch (pp > 1)
 STEPS, WARMUP, PROFILED = 5, 2, 2  # warm-up: the first step of a pipeline also infers shapes
 QUICK_MODEL = dict(MODEL, seq_len=32, depth=4)  # 3.3 M parameters (GPT), far fewer tokens per step
@@ -198,6 +204,27 @@ def _worker(rank: int, world: int, layouts: list[tuple[int, int, int]], models: 
     return {layout: {name: _run_model(rank, layout, name, settings, rss) for name in models} for layout in layouts}
 
 
+def _build(name: str, m: dict[str, Any]) -> torch.nn.Module:
+    """Model ``name`` of the sizes ``m``: kiln's registry, or a transformers Llama (grouped-query
+    attention with half as many key/value heads, SwiGLU of width 3 x dim; untied, as pp needs)."""
+    if name != "llama":
+        from kiln.models import create_model
+
+        return create_model(name, **m)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = m["heads"]
+    cfg = LlamaConfig(vocab_size=m["vocab_size"], max_position_embeddings=m["seq_len"], hidden_size=m["dim"],
+                      intermediate_size=3 * m["dim"], num_hidden_layers=m["depth"], num_attention_heads=heads,
+                      num_key_value_heads=heads // 2 if heads >= 4 else heads, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs.logits if hasattr(outputs, "logits") else outputs  # transformers' ModelOutput
+
+
 def _tiny(settings: dict[str, Any]) -> dict[str, Any]:
     model = dict(settings["model"], seq_len=8, dim=32, depth=2, heads=2)  # tp=2 and pp=2 still fit
     return dict(settings, model=model, warmup=1, steps=1, profiled=1)
@@ -209,14 +236,13 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
     from torch.profiler import ProfilerActivity, profile
 
     import kiln.optim
-    from kiln.models import create_model
     from kiln.parallel import Layout, parallelize
 
     rss_start = rss.restart()
     clock = [time.perf_counter()]
     layout = Layout(*layout_dims)
     torch.manual_seed(0)  # the same whole model on every rank; parallelize keeps this rank's part
-    model = create_model(name, **s["model"])
+    model = _build(name, s["model"])
     n_params = sum(p.numel() for p in model.parameters())
     par = parallelize(model, layout, zero=0, pp_schedule="1f1b", microbatches=s["microbatches"], loss_fn=_loss,
                       timing=True)
@@ -236,7 +262,7 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
             pipe.step(ids, targets)  # forward + backward of every micro-batch
         else:
             with par.loss_context():  # tp: the cross-entropy runs on vocabulary-sharded logits
-                _loss(par.model(ids), targets).backward()
+                _loss(_logits(par.model(ids)), targets).backward()
         par.reduce_gradients(opt)
         opt.step()
 
@@ -436,23 +462,45 @@ def settings_for(quick: bool) -> dict[str, Any]:
             "steps": STEPS, "warmup": WARMUP, "profiled": PROFILED}
 
 
-def run(out_dir: Path, quick: bool = False, *, models: tuple[str, ...] = MODELS,
+def check_family(family: str | None) -> tuple[str, ...]:
+    """The models of ``--family`` (comma-separated; default: kiln's GPT and BERT)."""
+    if not family:
+        return MODELS
+    names = tuple(dict.fromkeys(f.strip() for f in family.split(",") if f.strip()))
+    bad = [f for f in names if f not in FAMILIES]
+    if bad or not names:
+        raise ValueError(f"kiln bench parallel --family {family}: unknown family {bad[0] if bad else family!r}; "
+                         f"choose from {', '.join(FAMILIES)} (comma-separated, e.g. --family gpt,llama)")
+    if "llama" in names:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ValueError("kiln bench parallel --family llama needs Hugging Face transformers: "
+                             "pip install 'kiln[hf]'") from None
+    return names
+
+
+def run(out_dir: Path, quick: bool = False, *, family: str | None = None, models: tuple[str, ...] | None = None,
         layouts: list[tuple[int, int, int]] | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure every layout for every model; print the table and write ``parallel.json``,
-    ``parallel.txt`` and ``parallel.png`` to ``out_dir``. ``models``, ``layouts`` and
+    ``parallel.txt`` and ``parallel.png`` to ``out_dir``. ``family``: ``--family``, e.g.
+    ``"llama"`` or ``"gpt,llama"`` (default: GPT and BERT). ``models``, ``layouts`` and
     ``settings`` (see :func:`settings_for`) narrow the run (tests)."""
+    models = models or check_family(family)
     settings = settings or settings_for(quick)
     layouts = [tuple(lay) for lay in (layouts or LAYOUTS)]
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     rows = _measure(tuple(models), layouts, settings)
-    machine = {"cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
+    machine = {**machine_info(), "threads": 1,  # per process
+               "cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
                "load_1min_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0}
     report = {"setup": {**settings, "models": list(models), "layouts": [list(lay) for lay in layouts],
                         "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW fp32",
                         "pp_schedule": "1f1b", "quick": quick},
               "machine": machine, "rows": rows}
     table = _table(rows)
+    print(f"kiln bench parallel on {machine_line(machine)} per process")
     print(table)
     print(f"m = {settings['microbatches']} micro-batches per dp rank's batch; global batch {settings['batch']} x "
           f"seq {settings['model']['seq_len']}; {machine['cpus']} cpus, 1-min load {load_before:.1f} before, "
