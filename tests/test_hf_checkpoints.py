@@ -30,14 +30,16 @@ IDS = torch.arange(48).reshape(3, 16) * 37 % 256  # (B, T) token ids for compari
 
 def _source(family: str):
     """A tiny model of ``family``, seeded: ``llama`` (grouped-query attention, untied head),
-    ``gpt2`` (head tied to the token embedding), ``gpt2-untied``."""
+    ``llama-bf16`` (the same, saved in bfloat16), ``gpt2`` (head tied to the token embedding),
+    ``gpt2-untied``."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(7)
-    if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                            bos_token_id=0, eos_token_id=0, tie_word_embeddings=False))
+    if family.startswith("llama"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                             bos_token_id=0, eos_token_id=0, tie_word_embeddings=False))
+        return model.to(torch.bfloat16) if family == "llama-bf16" else model
     return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
                                       eos_token_id=0, tie_word_embeddings=family == "gpt2",
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # layouts draw other masks
@@ -63,7 +65,7 @@ def pretrained(tmp_path_factory):
 def _reference(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _logits(model) -> torch.Tensor:
@@ -231,7 +233,7 @@ def _model_at(checkpoint: Path, source: Path):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "llama-bf16"])
 def test_a_run_from_a_local_directory_writes_hf_that_from_pretrained_loads_as_its_last_step(pretrained, tmp_path,
                                                                                            family):
     from safetensors import safe_open
@@ -244,8 +246,11 @@ def test_a_run_from_a_local_directory_writes_hf_that_from_pretrained_loads_as_it
     assert torch.allclose(_logits(exported), _logits(last), rtol=0, atol=1e-5)
     assert (_logits(exported) - _logits(_reference(source))).abs().max() > 1e-3  # it trained
     saved, src = (json.loads((d / "config.json").read_text()) for d in (run / "hf", source))
-    assert {k: v for k, v in saved.items() if k != "transformers_version"} == \
-        {k: v for k, v in src.items() if k != "transformers_version"}  # the config matches the model
+    assert {k: v for k, v in saved.items() if k not in ("transformers_version", "dtype")} == \
+        {k: v for k, v in src.items() if k not in ("transformers_version", "dtype")}  # the config matches the model
+    # in the dtype kiln trained it (fp32), also from a bfloat16 checkpoint
+    assert saved["dtype"] == "float32" and src["dtype"] == ("bfloat16" if family == "llama-bf16" else "float32")
+    assert all(p.dtype == torch.float32 for p in exported.parameters())
     if family == "gpt2":  # tied stays tied: one tensor on disk, one Parameter when loaded
         keys = set()
         for file in (run / "hf").glob("*.safetensors"):

@@ -332,7 +332,11 @@ def _hf_from_checkpoint(cfg: Any, checkpoint_dir: Path, to: Path) -> Path:
         raise ConfigError(f"the run's model is {kind}, not a transformers model: only Hugging Face models "
                           "export to hf (read a checkpoint's weights with kiln.train.load_checkpoint)")
     tensors, _ = read_sharded(checkpoint_dir)
-    # kiln may hold a tensor in another shape (GPT-2's fused c_attn as (C, 3, C)): reshaped to the model's
-    copy_weights(model, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     del tensors
+    dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
+    if len(dtypes) == 1:  # the dtype the run held (its config.json may say bfloat16, kiln trained fp32)
+        model.to(dtype=dtypes.pop())
+    # kiln may hold a tensor in another shape (GPT-2's fused c_attn as (C, 3, C)): reshaped to the model's
+    copy_weights(model, weights)
     return write_pretrained(model, to)
