@@ -5,7 +5,7 @@ Tiny Llama (grouped-query attention), GPT-2 (the fused q/k/v Conv1D) and BERT (m
 laid out by ``kiln.parallel.parallelize``, the path ``kiln train`` takes, and one step's loss
 and every parameter's gradient are compared with transformers in this process on the same
 weights and batch. Two spawns carry everything: 2 processes (tp=2 with and without sequence
-parallelism, pp=2 under 1F1B and GPipe) and 4 (tp=2 x pp=2, dp=2 x tp=2 under FSDP2).
+parallelism, pp=2 under 1F1B, GPipe and interleaved 1F1B) and 4 (tp=2 x pp=2, dp=2 x tp=2 under FSDP2).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def _model(family: str, tie: bool = True) -> torch.nn.Module:
     import transformers as t
 
     torch.manual_seed(0)
-    if family == "llama":
-        cfg = t.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    if family.startswith("llama"):  # llama4: four layers, for two virtual stages per pipeline rank
+        cfg = t.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=4 if family == "llama4" else 2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
                             tie_word_embeddings=tie)
         return t.LlamaForCausalLM(cfg)
@@ -101,9 +102,10 @@ def _two(rank: int, world: int) -> dict[str, tuple[float, dict[str, torch.Tensor
     runs.update({f"{f}-tp2-sp": dict(family=f, sp=True) for f in ("llama", "gpt2")})
     runs.update({f"{f}-pp2": dict(family=f, tie=False) for f in ("llama", "gpt2")})
     runs["bert-pp2"] = dict(family="bert", tie=False, schedule="gpipe")
+    runs["llama4-pp2-interleaved"] = dict(family="llama4", tie=False, schedule="interleaved-1f1b")
     out = {}
     for name, kw in runs.items():
-        tp, pp = (1, 2) if name.endswith("pp2") else (2, 1)
+        tp, pp = (1, 2) if "-pp2" in name else (2, 1)
         out[name] = _one_step(kw.pop("family"), 1, tp, pp, **kw)
     return out
 
@@ -126,7 +128,7 @@ def _reference(family: str, tie: bool) -> tuple[float, dict[str, torch.Tensor]]:
 
 def _check(name: str, per_rank: list[tuple[float, dict[str, torch.Tensor]]]) -> None:
     family = name.split("-")[0]
-    ref_loss, ref_grads = _reference(family, tie="pp2" not in name)
+    ref_loss, ref_grads = _reference(family, tie="pp2" not in name)  # pipelines run untied models
     grads: dict[str, torch.Tensor] = {}
     for loss, held in per_rank:
         assert loss == pytest.approx(ref_loss, rel=1e-5), name
