@@ -87,9 +87,9 @@ def _cfg(family: str, parallel: dict, **config: object) -> dict:
                     r"config.num_attention_heads=4 query heads\); choose tp dividing 2"),
     ({"tp": 2}, {"vocab_size": 63}, r"parallel.tp=2 does not divide config.vocab_size=63 \(pad the vocabulary to 64"),
     ({"tp": 2}, {"intermediate_size": 65}, r"does not divide config.intermediate_size=65"),
-    ({"pp": 4}, {}, r"the model's config.num_hidden_layers=2 blocks, fewer than the pp=4 pipeline stages"),
-    ({"pp": 2}, {"tie_word_embeddings": True}, r"the model's config.tie_word_embeddings=true ties .* set the "
-                                               r"model's config.tie_word_embeddings=false"),
+    ({"pp": 4}, {}, r"model.config.num_hidden_layers=2 blocks, fewer than the pp=4 pipeline stages"),
+    ({"pp": 2}, {"tie_word_embeddings": True}, r"model.config.tie_word_embeddings=true ties .* set "
+                                               r"model.config.tie_word_embeddings=false"),
     ({"pp": 2, "tp": 2, "sequence_parallel": True}, {}, r"stages read the sequence length from their input"),
 ])
 def test_bad_layouts_of_an_hf_llama_are_refused_before_anything_starts(parallel, config, match):

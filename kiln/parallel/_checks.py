@@ -81,7 +81,8 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if pp > 1:
-        where = "model" if name else "the model's config"  # kiln's option, or a transformers config's
+        # kiln's option, a transformers config built in the config file, or one read from a directory
+        where = "model" if name else "model.config" if "config" in model else "the model's config"
         if plan.pp.ties(model_cfg):
             tie = plan.pp.tied_by
             raise ConfigError(f"{where}.{tie}=true ties a weight of the first pipeline stage to one of the last "
