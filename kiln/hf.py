@@ -48,8 +48,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["copy_weights", "deferred_weights", "describe", "from_pretrained", "is_hf_model", "load_weights",
-           "materialize", "meta_parameters", "weights_source", "write_pretrained"]
+__all__ = ["copy_weights", "deferred_weights", "describe", "from_pretrained", "is_hf_model", "load_inner_weights",
+           "load_weights", "materialize", "meta_parameters", "weights_source", "write_pretrained"]
 
 _INSTALL = "pip install 'kiln[hf]'"
 _SOURCE = "_kiln_hf_source"  # set on a model built without its weights: the directory to read them from
@@ -354,6 +354,15 @@ def load_weights(model: nn.Module, path: str | Path | None = None, *, device: to
     if hasattr(model, _SOURCE):
         delattr(model, _SOURCE)
     return read
+
+
+def load_inner_weights(model: nn.Module) -> None:
+    """Read now, whole, the weights of each module inside ``model`` that :func:`from_pretrained`
+    built lazily (a user's module around a Hugging Face backbone): kiln reads a model's weights
+    after the layout only when the model itself comes from :func:`from_pretrained`."""
+    for module in model.modules():
+        if module is not model and weights_source(module) is not None:
+            load_weights(module)
 
 
 @torch.no_grad()

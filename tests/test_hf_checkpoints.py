@@ -334,3 +334,35 @@ def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretr
     assert (keep / "mine.txt").read_text() == "a user's file" and not (tmp_path / "x").exists()
     assert subprocess.run([sys.executable, "-m", "kiln", "export", "--help"], capture_output=True, text=True,
                           check=True).stdout.count("--to FORMAT DIR") >= 1
+
+
+def test_from_pretrained_inside_a_users_module_still_starts_from_the_directorys_weights(pretrained, tmp_path):
+    """Only a model that is itself from_pretrained's is read after the layout; one inside a
+    user's module (a backbone under a new head) is read whole when built, as before."""
+    source = pretrained("llama")
+    config = tmp_path / "wrapped.py"
+    config.write_text(textwrap.dedent(f'''
+        from torch import nn
+
+        import kiln.hf
+        from kiln.config import LazyCall as L
+
+
+        class Wrapped(nn.Module):
+            def __init__(self, backbone):
+                super().__init__()
+                self.backbone = backbone
+
+            def forward(self, ids):
+                return self.backbone(ids).logits
+
+
+        model = L(Wrapped)(backbone=L(kiln.hf.from_pretrained)(path={str(source)!r}))
+        data = dict(name="text_lm", batch_size=8, args=dict(seq_len=16, num_samples=64, val_samples=16))
+        optim = dict(lr=1e-30, schedule="constant", weight_decay=0.0)
+        train = dict(max_steps=1, log_every=1, eval_every=0, progress="none")
+    '''))
+    assert main(["train", str(config), f"train.output_dir={tmp_path / 'runs'}"]) == 0
+    final = load_checkpoint(_only_run(tmp_path / "runs") / "checkpoints" / "final")["model"]
+    for name, p in _reference(source).state_dict().items():
+        assert torch.allclose(final[f"backbone.{name}"], p, rtol=0, atol=1e-20), name  # a random init is ~1e-2 away

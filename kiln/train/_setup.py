@@ -22,7 +22,7 @@ from torch import nn
 from kiln._version import __version__
 from kiln.config import save_config
 from kiln.errors import ConfigError
-from kiln.hf import deferred_weights, load_weights, materialize, weights_source
+from kiln.hf import deferred_weights, load_inner_weights, load_weights, materialize, weights_source
 from kiln.parallel import Parallel, ZeroOptimizer, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
@@ -169,6 +169,8 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     with deferred_weights():  # kiln.hf.from_pretrained: parameters on meta, its weights read once laid out
         model = build_model(cfg.model)
     weights = weights_source(model)  # the local Hugging Face directory they come from, or None
+    if weights is None:
+        load_inner_weights(model)  # from_pretrained inside a module of the user's: read whole, now
     if weights is not None and layout.pp > 1:
         # build_pipeline copies its stages .to(device), which meta tensors refuse: until it
         # leaves them be, a pipeline rank starts from the whole model, uninitialised
