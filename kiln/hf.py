@@ -286,8 +286,9 @@ def load_weights(model: nn.Module, path: str | Path | None = None, *, device: to
     every rank calls it. Parameters still on ``meta`` get memory on ``device`` first (default:
     where the buffers are). A tensor held in another shape with as many elements as in the file
     (GPT-2's fused ``c_attn`` held as ``(C, 3, C)``) is read as the few contiguous runs its box
-    makes in the file's shape (whole, when the held shape is not the file's split further). A file tensor the model does not hold is ignored; a held
-    parameter that the files lack is an error (persistent buffers keep their computed values)."""
+    makes in the file's shape (whole, when the held shape is not the file's split further). A
+    file tensor the model does not hold is ignored; a held parameter that the files lack is an
+    error (persistent buffers keep their computed values)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open

@@ -126,7 +126,8 @@ def test_a_base_model_reads_the_task_models_checkpoint_and_bad_directories_are_r
 
     save_file({k: torch.zeros(2 * v.shape[0], *v.shape[1:]) for k, v in ref.state_dict().items()},
               wider / "model.safetensors")
-    with pytest.raises(ValueError, match=r"has other shapes for model\.embed_tokens\.weight \(256, 32\) \(file: \(512, 32\)\)"):
+    shapes = r"has other shapes for model\.embed_tokens\.weight \(256, 32\) \(file: \(512, 32\)\)"
+    with pytest.raises(ValueError, match=shapes):
         kiln.hf.load_weights(kiln.hf.from_pretrained(str(path), lazy=True), wider)
     (wider / "model.safetensors").unlink()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"},
@@ -293,7 +294,8 @@ def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretr
     out = tmp_path / "step2"
     assert main(["export", str(run), "--step", "2", "--to", "hf", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"kiln: exporting {run} at step 2 (step-00000002)") and lines[-1].startswith(f"kiln: wrote {out}")
+    assert lines[0].startswith(f"kiln: exporting {run} at step 2 (step-00000002)")
+    assert lines[-1].startswith(f"kiln: wrote {out}")
     exported = _reference(out).state_dict()
     at_2 = _model_at(run / "checkpoints" / "step-00000002", source).state_dict()
     final = _model_at(run / "checkpoints" / "final", source).state_dict()
@@ -317,13 +319,15 @@ def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretr
     keep.mkdir()
     (keep / "mine.txt").write_text("a user's file")
     refusals = {
-        (str(tmp_path), "--to", "hf", str(tmp_path / "x")): f"{tmp_path} is not a kiln run directory (no config.yaml in it)",
+        (str(tmp_path), "--to", "hf", str(tmp_path / "x")):
+            f"{tmp_path} is not a kiln run directory (no config.yaml in it)",
         (str(run), "--step", "3", "--to", "hf", str(tmp_path / "x")):
             f"{run} has no checkpoint of step 3; it has steps 2, 4 (final): pick one with --step",
         (str(run), "--to", "hf", str(keep)): f"{keep} exists and is not an empty directory",
         (str(run), "--to", "onnx", str(tmp_path / "x")): "--to onnx: the only export format is hf",
         (str(mlp), "--to", "hf", str(tmp_path / "x")):
-            "the run's model is kiln.models.mlp.MLPNet, not a transformers model: only Hugging Face models export to hf",
+            "the run's model is kiln.models.mlp.MLPNet, not a transformers model: only Hugging Face models "
+            "export to hf",
         (str(gone), "--to", "hf", str(tmp_path / "x")): f"the run's model cannot be built to export it: "
             f"kiln.hf.from_pretrained: {tmp_path / 'removed'} is not a directory",
     }
