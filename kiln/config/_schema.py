@@ -116,3 +116,4 @@ NAMESPACES: dict[str, Any] = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
+    overlap_grad_reduce: bool = True  # dp > 1 on the arena: reduce gradient buckets during the last backward

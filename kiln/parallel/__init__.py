@@ -6,6 +6,8 @@
   :func:`all_reduce_gradients` once per optimizer step (one all-reduce per arena).
 - :class:`ZeroOptimizer`: ZeRO stage 1 (sharded optimizer state) and stage 2 (sharded state
   and gradients) around a kiln optimizer; each rank owns one contiguous shard of each arena.
+  With ``overlap=True`` (any stage, 0 included) gradients are reduced in buckets during the
+  backward run inside :func:`sync_gradients` (the step's last micro-batch).
 
 - zero=3: :func:`apply_fsdp` (FSDP2 ``fully_shard`` per block, then the root); kiln's
   optimizers with ``contiguous=False`` step the DTensor shards.
@@ -29,7 +31,7 @@ import importlib
 from typing import Any
 
 from kiln.parallel._dist import init_distributed, is_main, rank, world_size
-from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters
+from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients, broadcast_parameters, sync_gradients
 from kiln.optim import clip_grad_norm_  # the one global-norm clip, for every layout's gradients
 
 # FSDP2 and DCP take most of a second to import: loaded when first used, not by every trainer.
@@ -50,7 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
-           "broadcast_parameters", "all_reduce_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
+           "broadcast_parameters", "all_reduce_gradients", "sync_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
            "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Parallel",
            "stage_elements", "Layout", "resolve_layout", "build_mesh", "check_parallel_config",
            "save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]

@@ -9,7 +9,15 @@ the full gradient, and all-gathers the parameters after the step. Stage 2 also f
 gradient after the reduce-scatter (storage resized to 0, ``p.grad`` None) until the next
 backward's first gradient (a gradient pre-hook brings it back as zeros), so through the
 forward pass, where activation memory peaks, a rank holds only its shard's gradient.
-(Reducing buckets *during* backward, as DeepSpeed does, is future work.)
+
+With ``overlap=True`` the communication runs during the step's last backward instead of
+after it: the flat gradients are cut into buckets, and each bucket's all-reduce (stage 0) or
+reduce to its shard's owner (stages 1, 2) starts, asynchronously, as soon as autograd has
+accumulated its last gradient (post-accumulate-grad hooks), while backward computes the
+earlier layers' gradients; :meth:`ZeroOptimizer.reduce_gradients` waits for them. Only the
+backward run inside ``sync_gradients(True)`` communicates, so with accumulation the other
+micro-batches accumulate locally; results are bitwise those of the synchronous path (see
+:class:`_Buckets`).
 
 The calls per step, the same on every rank (they are collectives); dp ranks with batch B/dp
 each train like one process with batch B (gradients are averaged; tested to 1e-6)::
@@ -17,8 +25,9 @@ each train like one process with batch B (gradients are averaged; tested to 1e-6
     zero = ZeroOptimizer(kiln.optim.AdamW(model.parameters(), shard_multiple=world), stage=2)
     broadcast_parameters(model)              # once, before training: rank 0's initial values
     for step in ...:
-        for micro in range(accumulate):      # gradients accumulate locally, no communication
-            (loss_fn(model(x[micro])) / accumulate).backward()
+        for micro in range(accumulate):      # gradients accumulate locally, no communication ...
+            with zero.sync_gradients(micro == accumulate - 1):  # ... but in the last backward (overlap=True)
+                (loss_fn(model(x[micro])) / accumulate).backward()
         zero.reduce_gradients()              # once per step (step() calls it if you do not)
         total = kiln.optim.clip_grad_norm_(zero, 1.0)  # optional: global norm over all ranks' shards
         zero.step()                          # shard update (+ all-gather of parameters)
@@ -27,8 +36,9 @@ each train like one process with batch B (gradients are averaged; tested to 1e-6
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +46,7 @@ from torch.optim import Optimizer
 
 from kiln.optim import ArenaOptimizer, ArenaSlice
 
-__all__ = ["ZeroOptimizer", "broadcast_parameters", "all_reduce_gradients"]
+__all__ = ["ZeroOptimizer", "broadcast_parameters", "all_reduce_gradients", "sync_gradients"]
 
 # torch 2.13 renamed the flat collectives (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -126,6 +136,15 @@ def all_reduce_gradients(optimizer: Optimizer | Any, group: dist.ProcessGroup | 
     torch._foreach_div_(grads, world)
 
 
+def sync_gradients(optimizer: Optimizer, last: bool = True) -> contextlib.AbstractContextManager:
+    """``optimizer.sync_gradients(last)`` for a :class:`ZeroOptimizer`, else nothing: the
+    context a training loop puts around each micro-batch's backward, ``last`` for the step's
+    last one (see :meth:`ZeroOptimizer.sync_gradients`)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.sync_gradients(last)
+    return contextlib.nullcontext()
+
+
 def _max_over_ranks(flags: torch.Tensor, optimizer: ArenaOptimizer, group: dist.ProcessGroup | None) -> None:
     device = optimizer.arenas[0].device if optimizer.arenas else torch.device("cpu")
     on_dev = flags if dist.get_backend(group) == "gloo" or device.type == "cpu" else flags.to(device)  # NCCL
@@ -145,13 +164,18 @@ class ZeroOptimizer(Optimizer):
         stage: 0 (all-reduce, full state on every rank), 1 (sharded optimizer state), 2
             (sharded state and gradients). Stage 3 is FSDP2, outside the arena.
         group: the data-parallel process group (default: the whole world).
+        overlap: reduce the gradients in buckets during the backward run inside
+            :meth:`sync_gradients` (``True``), each as soon as it is complete, instead of all
+            after it. The trainer's default for ``dp > 1`` (``parallel.overlap_grad_reduce``).
+        bucket_mb: the size of a bucket, in MiB, with ``overlap``.
 
     It shares ``param_groups`` with the wrapped optimizer (schedulers work on either); after
     wrapping use only the wrapper. Every trainable parameter steps on every step (as under
     DDP); frozen ones never do. Stage 2 drops any gradient present when it is built.
     """
 
-    def __init__(self, optimizer: ArenaOptimizer, stage: int = 1, group: dist.ProcessGroup | None = None):
+    def __init__(self, optimizer: ArenaOptimizer, stage: int = 1, group: dist.ProcessGroup | None = None, *,
+                 overlap: bool = False, bucket_mb: float = 25.0):
         if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
             raise TypeError("ZeroOptimizer needs one of kiln.optim's optimizers with contiguous=True")
         if stage not in (0, 1, 2):
@@ -164,6 +188,9 @@ class ZeroOptimizer(Optimizer):
         # one set of hyperparameters: schedulers and the inner update read the same dicts
         self.param_groups, self.defaults, self.state = optimizer.param_groups, optimizer.defaults, optimizer.state
         self._reduced = self._freed = False
+        self._buckets: _Buckets | None = None
+        if overlap and self.world > 1:
+            self._buckets = _Buckets(optimizer, stage, group, self.world, int(bucket_mb * 2**20))
         if stage == 0:
             return
         optimizer.shard(self.rank, self.world, group, keep_full_grad=stage == 1)  # 1: reduce-scatter in place
@@ -209,6 +236,9 @@ class ZeroOptimizer(Optimizer):
         if self._reduced:
             return
         self._reduced = True
+        if self._buckets is not None:
+            self._reduce_buckets()
+            return
         if self.stage == 0:
             all_reduce_gradients(self.optimizer, self.group)
             return
@@ -222,6 +252,41 @@ class ZeroOptimizer(Optimizer):
             shard.grad.div_(self.world)
         if self.stage == 2:
             self._free_grads()
+
+    def _reduce_buckets(self) -> None:
+        """reduce_gradients with overlap: the buckets not reduced during backward, then the
+        divide (and the shard copy) as on the synchronous path."""
+        opt = self.optimizer
+        if self.stage > 0:
+            self.materialize_grads()  # a step with no backward since the last one: zero gradients
+        self._buckets.finish()
+        if self.stage == 0:
+            opt.union_received(lambda flags: _max_over_ranks(flags, opt, self.group))  # as all_reduce_gradients
+            for g in opt.flat_grads():
+                g.div_(self.world)
+            return
+        for arena, shard in zip(opt.arenas, opt.shards):  # this rank's sums sit in its shard's range
+            if shard.grad.data_ptr() != arena.grad[shard.lo:].data_ptr():
+                shard.grad.copy_(arena.grad[shard.lo:shard.hi])
+            shard.grad.div_(self.world)
+        if self.stage == 2:
+            self._free_grads()
+
+    @contextlib.contextmanager
+    def sync_gradients(self, last: bool = True) -> Iterator[None]:
+        """With ``overlap``: around the backward of a step's last micro-batch (``last=True``),
+        reduce each gradient bucket as soon as backward completes it; with ``last=False``, or
+        without ``overlap``, gradients only accumulate (``reduce_gradients`` reduces them). Every
+        rank must make the same calls. Until ``reduce_gradients`` (or ``step``) the gradients
+        are being communicated: leave them alone between the two."""
+        if not last or self._buckets is None:
+            yield
+            return
+        self._buckets.arm()
+        try:
+            yield
+        finally:
+            self._buckets.armed = False
 
     def flat_grads(self) -> list[torch.Tensor]:
         """The gradients this rank steps, averaged once :meth:`reduce_gradients` ran: the full
@@ -242,6 +307,8 @@ class ZeroOptimizer(Optimizer):
         """One memset per arena; nothing while stage 2 has freed the full gradient (it comes
         back as zeros, and the next reduce-scatter overwrites the shard's)."""
         self._reduced = False
+        if self._buckets is not None:
+            self._buckets.drop()  # reductions launched and never waited for: they write no more
         if not self._freed:
             self.optimizer.zero_grad(set_to_none)
 
@@ -297,3 +364,177 @@ class ZeroOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, world={self.world}, rank={self.rank}, {self.optimizer!r})"
+
+
+# -- gradient communication overlapped with backward ---------------------------------------------
+class _Buckets:
+    """The arenas' flat gradients cut into buckets, each reduced as soon as backward has
+    delivered its last gradient (the overlap of torch DDP and DeepSpeed, on kiln's arena).
+
+    A bucket is a contiguous element range of one arena's flat gradient (padding included: the
+    buckets tile every buffer), cut at parameter starts from the end of the buffer, where the
+    last layers sit, whose gradients come first, once it holds ``bucket_bytes``; under ZeRO
+    also at the shard boundaries, so that each bucket has one owner. Its collective runs in
+    place on the bucket's slice: ``all_reduce`` (stage 0) or ``reduce`` to the owner (stages 1
+    and 2: gloo's reduce-scatter costs about two all-reduces, its reduce less than one; the
+    owner's shard range then holds the sums, as the reduce-scatter would). Sums only: the
+    divide by the world comes once, after the last bucket, as on the synchronous path.
+
+    Collectives must be issued in the same order on every rank, whatever order gradients come
+    in on each: a bucket is launched only after every bucket before it in ``order``. The order
+    starts as the buffers read backwards; after the first step that overlapped it becomes the
+    order in which rank 0's buckets completed (broadcast once, as DDP rebuilds its buckets
+    after the first iteration). A bucket whose gradients do not all arrive in the arena (a
+    parameter unused this step, a gradient autograd put elsewhere because ``p.grad`` was
+    replaced) is not launched during backward: :meth:`finish` absorbs such gradients into the
+    arena and then issues it, and every bucket after it, in the same order. Ranks thus differ
+    only in *when* a collective starts, never in which one or on what: the result is bitwise
+    that of reducing every bucket after backward, and with two ranks (a + b = b + a) that of
+    one collective per buffer.
+    """
+
+    def __init__(self, optimizer: ArenaOptimizer, stage: int, group: dist.ProcessGroup | None, world: int,
+                 bucket_bytes: int) -> None:
+        self.optimizer, self.stage, self.group = optimizer, stage, group
+        self.spans: list[tuple[int, int, int]] = []  # (arena, lo, hi) per bucket
+        self.views: list[torch.Tensor] = []  # each bucket's slice of its arena's flat gradient
+        self.owner: list[int] = []  # group rank receiving the bucket's sums (stages 1, 2)
+        self.need: list[int] = []  # gradients the bucket waits for
+        # per trainable parameter with elements: (arena, start offset, the buckets it overlaps)
+        self.slots: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.hooks: list[Any] = []
+        keys: list[tuple[float, int]] = []
+        for a, (arena, params) in enumerate(optimizer.packed_params()):
+            starts, n = arena.offsets.tolist(), arena.numel
+            cuts, acc = {0, n}, 0
+            for i in reversed(range(len(params))):
+                acc += arena.numels[i] * arena.dtype.itemsize
+                if acc >= bucket_bytes:
+                    cuts.add(starts[i])
+                    acc = 0
+            if stage > 0:
+                cuts.update(range(0, n, n // world))
+            edges = sorted(cuts)
+            first = len(self.spans)
+            for lo, hi in zip(edges[:-1], edges[1:]):
+                self.spans.append((a, lo, hi))
+                # (views of a ZeRO-2 gradient stay valid while its storage is freed and regrown)
+                self.views.append(arena.grad[lo:hi])
+                self.owner.append(lo // (n // world) if stage > 0 else -1)
+                self.need.append(0)
+                keys.append((-lo / n, a))  # the end of each buffer first
+            for i, p in enumerate(params):
+                if not p.requires_grad or arena.numels[i] == 0:
+                    continue
+                lo, hi = starts[i], starts[i] + arena.numels[i]
+                mine = tuple(b for b in range(first, len(self.spans))
+                             if self.spans[b][1] < hi and lo < self.spans[b][2])
+                for b in mine:
+                    self.need[b] += 1
+                self.slots[id(p)] = (a, lo, mine)
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._hook()))
+        self.order = sorted(range(len(self.spans)), key=keys.__getitem__)
+        self.learned = False  # order agreed from a step that overlapped
+        self.armed = self.overlapped = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.count = [0] * len(self.spans)
+        self.arrived: set[int] = set()
+        self.completed: list[int] = []  # buckets in the order their gradients completed
+        self.handles: list[Any] = []
+        self.next = 0  # order[:next] are launched
+
+    def _hook(self) -> Callable[[torch.Tensor], None]:
+        ref = weakref.ref(self)  # a dropped optimizer is not kept alive by its parameters' hooks
+
+        def hook(p: torch.Tensor) -> None:
+            buckets = ref()
+            if buckets is not None and buckets.armed:
+                buckets.arrive(p)
+
+        return hook
+
+    def arrive(self, p: torch.Tensor) -> None:
+        """A gradient accumulated during the armed backward: count it, launch what is ready."""
+        a, lo, mine = self.slots[id(p)]
+        if id(p) in self.arrived:
+            raise RuntimeError(
+                "kiln.parallel: a parameter received a second gradient inside sync_gradients(True), where its "
+                "bucket may already be communicated: run only the step's last backward inside it")
+        self.arrived.add(id(p))
+        grad = self.optimizer.arenas[a].grad
+        g = p.grad
+        if g is None or g.data_ptr() != grad.data_ptr() + lo * grad.element_size():
+            return  # outside the arena: its buckets wait for finish(), which absorbs it first
+        count, need = self.count, self.need
+        for b in mine:
+            count[b] += 1
+            if count[b] == need[b]:
+                self.completed.append(b)
+        order = self.order
+        while self.next < len(order) and count[order[self.next]] == need[order[self.next]]:
+            self._launch(order[self.next])
+            self.next += 1
+
+    def _launch(self, b: int) -> None:
+        if self.stage == 0:
+            handle = dist.all_reduce(self.views[b], group=self.group, async_op=True)  # sum; divided once, after
+        else:
+            handle = dist.reduce(self.views[b], group_dst=self.owner[b], group=self.group, async_op=True)
+        self.handles.append(handle)
+
+    def arm(self) -> None:
+        if self.handles:
+            raise RuntimeError("kiln.parallel: sync_gradients(True) twice in one step while the first backward's "
+                               "buckets are communicated: reduce_gradients() (or step()) comes between")
+        self._reset()
+        self.armed = self.overlapped = True
+
+    def drop(self) -> None:
+        """Wait for launched collectives (nothing may write into the gradients after this) and
+        forget the step."""
+        for h in self.handles:
+            h.wait()
+        self.armed = False
+        self._reset()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Issue every bucket not launched yet, in order, and wait for all: the flat gradients
+        then hold the sums over the group (the owner's shard range, under ZeRO)."""
+        self.armed = False
+        launched = self.next
+        for h in self.handles:
+            h.wait()
+        arenas = self.optimizer.arenas
+        before = [a.grad._version for a in arenas]
+        self.optimizer.flat_grads()  # absorbs gradients placed outside the arena
+        if launched and [a.grad._version for a in arenas] != before:
+            raise RuntimeError(
+                "kiln.parallel: a gradient was assigned between the backward inside sync_gradients(True) and "
+                "reduce_gradients(), after its bucket was reduced: assign it before that backward")
+        for b in self.order[self.next:]:
+            self._launch(b)
+        for h in self.handles[launched:]:
+            h.wait()
+        if self.overlapped and not self.learned:
+            self._learn()
+        self.overlapped = False
+        self._reset()
+
+    def _learn(self) -> None:
+        """Adopt the order in which rank 0's buckets completed (ready ones first): a broadcast,
+        once, at the same place on every rank (the end of the first step that overlapped)."""
+        done = set(self.completed)
+        ready = [b for b in self.order if self.need[b] == 0]
+        order = ready + self.completed + [b for b in self.order if b not in done and self.need[b]]
+        device = self.optimizer.arenas[0].device if dist.get_backend(self.group) != "gloo" else "cpu"
+        t = torch.tensor(order, dtype=torch.int64, device=device)
+        dist.broadcast(t, group_src=0, group=self.group)
+        self.order, self.learned = t.tolist(), True
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []

@@ -204,10 +204,16 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         # each replica and stage its own dropout masks; the tp ranks of one replica the same
         # ones, as they hold the same activations
         torch.manual_seed(tc.seed + coords["dp"] + dp * coords["pp"])
-        if cfg.parallel.zero in (1, 2) and dp > 1:
+        # Gradient buckets reduced during the last micro-batch's backward (train_step's
+        # sync_gradients), not after it: not under a pipeline, whose schedule runs many
+        # backwards, nor bf16-true, whose gradients reach the masters only after backward.
+        overlap = (cfg.parallel.overlap_grad_reduce and layout.pp == 1 and precision.masters is None
+                   and getattr(optimizer, "contiguous", False))  # kiln's optimizer, on its arena
+        if dp > 1 and (cfg.parallel.zero in (1, 2) or (cfg.parallel.zero == 0 and overlap)):
             # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
-            # contiguous shard of every arena; from here on only the wrapper is used.
-            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group)
+            # contiguous shard of every arena; from here on only the wrapper is used (stage 0:
+            # the same wrapper, all-reducing, for the overlap).
+            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group, overlap=overlap)
             precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
     model = par.model
     if tc.compile:

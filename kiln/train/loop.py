@@ -35,6 +35,7 @@ import torch
 
 from kiln._version import __version__
 from kiln.hf import is_hf_model
+from kiln.parallel import sync_gradients
 from kiln.train._batches import Step
 from kiln.errors import CheckpointError, ConfigError
 from kiln.train._checkpoint import plain, prune, read_state, save_checkpoint, step_checkpoints
@@ -124,8 +125,9 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     not yet averaged over ranks) and the gradient norm before clipping (None without clipping)."""
     precision, par, optimizer, dp = run.precision, run.par, run.optimizer, run.layout.dp
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    # 1. forward and backward of each micro-batch; gradients accumulate locally, no communication
-    for batch in step.micro:  # a tuple (inputs, targets, ...) or a mapping (HF: input_ids, labels, ...)
+    # 1. forward and backward of each micro-batch; gradients accumulate locally, except that the
+    #    last backward starts reducing each bucket of gradients over dp as soon as it is complete
+    for i, batch in enumerate(step.micro):  # a tuple (inputs, targets, ...) or a mapping (HF: input_ids, ...)
         batch = to_device(batch, run.device, precision.input_dtype)
         if par.pipeline is not None:  # the schedule runs forward and backward of its micro-batches
             if isinstance(batch, Mapping):
@@ -140,7 +142,8 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
                 # divided by exactly K when all hold data.batch_size / (K x dp) samples.
                 parts = step.samples / (batch_size(batch) * dp)
                 loss = micro_batch_loss(run.task, run.model, batch) / parts
-                precision.backward(loss)  # fp16: backward of the scaled loss
+                with sync_gradients(optimizer, last=i == len(step.micro) - 1):
+                    precision.backward(loss)  # fp16: backward of the scaled loss
         loss_sum += par.value(loss)
     # 2. the true, reduced gradients; fp16 unscales after the reduction, so that every rank
     #    sees the same inf and skips the same step

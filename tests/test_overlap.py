@@ -1,0 +1,153 @@
+"""Gradient communication overlapped with backward (``ZeroOptimizer(overlap=True)``).
+
+Two gloo processes train the same fp64 model for several steps with the reduction after
+backward (today's path: one all-reduce or reduce-scatter per arena) and with buckets reduced
+during backward; the weights must be bitwise equal, through accumulation (K=2), a parameter
+unused on one rank in one step, a step whose gradients all arrive outside the arena
+(``model.zero_grad()`` before the last backward) and two arenas (weight-decay groups). A hook on the
+first layer's weight, which gets its gradient last, records how many buckets were already
+launched: collectives really start during backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.slow  # processes on gloo
+
+STEPS, UNUSED_STEP, FOREIGN_STEP = 6, 2, 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.extra = nn.Linear(16, 16)  # skipped by rank 0 in one step
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:  # (B, 16) -> (B, 4)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if use_extra:
+            x = x + self.extra(x)
+        return self.head(x)
+
+
+def _train(rank: int, world: int, stage: int, overlap: bool, accumulate: int) -> dict:
+    import kiln.optim
+    from kiln.parallel import ZeroOptimizer, broadcast_parameters, sync_gradients
+
+    torch.manual_seed(0)
+    model = Net().double()
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    opt = kiln.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    # buckets of ~1 KiB: several per arena (a 16 x 16 fp64 weight is 2 KiB)
+    zero = ZeroOptimizer(opt, stage, overlap=overlap, bucket_mb=1 / 1024)
+    broadcast_parameters(model)
+    buckets = zero._buckets
+    at_first_layer: list[int] = []  # buckets launched when the first layer's weight gradient is computed
+    model.layers[0].weight.register_hook(lambda g: at_first_layer.append(buckets.next if buckets else 0))
+    gen = torch.Generator().manual_seed(100 + rank)
+    launched, early = [], []
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            if step == FOREIGN_STEP and micro == accumulate - 1:
+                # p.grad = None: autograd puts the last backward's gradients outside the arena
+                # (the first micro-batch's are dropped, with either path)
+                model.zero_grad(set_to_none=True)
+            x = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 4, (8,), generator=gen)
+            use_extra = not (step == UNUSED_STEP and rank == 0)
+            loss = nn.functional.cross_entropy(model(x, use_extra), y) / accumulate
+            with sync_gradients(zero, last=micro == accumulate - 1):
+                loss.backward()
+        launched.append(buckets.next if buckets else 0)  # before reduce_gradients: during backward
+        early.append(at_first_layer[-1])
+        zero.step()
+        zero.zero_grad()
+    out = {"weights": [p.detach().clone() for p in model.parameters()], "launched": launched, "early": early,
+           "n_buckets": len(buckets.spans) if buckets else 0, "order_learned": bool(buckets and buckets.learned)}
+    if buckets is not None:  # a second backward inside sync_gradients(True) is refused
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        with sync_gradients(zero, last=True):
+            model(x, True).sum().backward()
+            try:
+                model(x, True).sum().backward()
+            except RuntimeError as exc:
+                out["twice"] = str(exc)
+        zero.zero_grad()
+    return out
+
+
+def _train_all(rank: int, world: int) -> dict:
+    # one pair of processes for every case: starting processes costs more than the steps
+    return {(stage, overlap): _train(rank, world, stage, overlap, 2) for stage in (0, 1, 2) for overlap in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from kiln.parallel.testing import run_distributed
+
+    return run_distributed(_train_all, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_overlapped_reduction_is_bitwise_the_reduction_after_backward(runs, stage):
+    off = [r[(stage, False)] for r in runs]
+    on = [r[(stage, True)] for r in runs]
+    for r in range(2):
+        assert len(on[r]["weights"]) == 12
+        for a, b in zip(off[r]["weights"], on[r]["weights"]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(on[0]["weights"], on[1]["weights"]))  # replicas agree
+    # the weights moved (the comparison is not between two untouched models)
+    torch.manual_seed(0)
+    start = [p.detach() for p in Net().double().parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(start, on[0]["weights"]))
+    n = on[0]["n_buckets"]
+    assert n >= 6 and on[0]["order_learned"]  # 5 in the weights' arena, 1 in the others'
+    for r in range(2):
+        launched, early = on[r]["launched"], on[r]["early"]
+        assert launched[FOREIGN_STEP] == 0  # every gradient outside the arena: all reduced after backward
+        for step in range(STEPS):
+            if step in (UNUSED_STEP, FOREIGN_STEP):
+                continue
+            assert launched[step] == n  # every bucket started before reduce_gradients ...
+            assert 0 < early[step] < n  # ... some before the first layer's gradient existed
+        assert "second gradient" in on[r]["twice"]
+    # rank 0 skipped `extra` in UNUSED_STEP: its bucket (and the ones after it in the order)
+    # waited for reduce_gradients there, while rank 1 launched them all during backward
+    assert on[0]["launched"][UNUSED_STEP] < n == on[1]["launched"][UNUSED_STEP]
+    assert off[0]["n_buckets"] == 0 and off[0]["launched"] == [0] * STEPS
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_the_trainer_overlaps_by_default_with_the_same_weights(tmp_path, zero):
+    """``kiln train --nproc 2``: parallel.overlap_grad_reduce (the default) against false, fp64,
+    two micro-batches per step: the final weights and optimizer state are bitwise equal."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kiln.train import load_checkpoint
+
+    mlp = str(Path(__file__).resolve().parents[1] / "configs" / "digits_mlp.yaml")
+    common = ("train.max_steps=4", "optim.lr=1e-3", "train.accumulate=2", "train.log_every=4",
+              "train.precision=fp64", "data.name=synthetic_images", "train.clip_grad_norm=1.0",
+              f"parallel.zero={zero}", "--nproc", "2")
+    finals = []
+    for overlap in ("true", "false"):
+        out = tmp_path / overlap
+        done = subprocess.run([sys.executable, "-m", "kiln", "train", mlp, *common, f"train.output_dir={out}",
+                               f"parallel.overlap_grad_reduce={overlap}"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        (run,) = out.iterdir()
+        finals.append(load_checkpoint(run / "checkpoints" / "final"))
+    on, off = finals
+    assert on["model"].keys() == off["model"].keys()
+    assert all(torch.equal(on["model"][k], off["model"][k]) for k in on["model"])
+    for k, st in on["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg"], off["optimizer"]["state"][k]["exp_avg"])
