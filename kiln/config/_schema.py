@@ -61,6 +61,7 @@ class TrainConfig:
     max_steps: Optional[int] = None  # optimizer steps to run; None: use train.epochs
     epochs: Optional[int] = None  # passes over the training set (when max_steps is None)
     eval_every: int = 0  # evaluate every N steps; 0: only at the end
+    eval_grad: bool = False
     log_every: int = 10  # log train loss, lr and speed every N steps
     seed: int = 0  # seeds Python, NumPy and torch; same seed on CPU = same run, bit for bit
     output_dir: str = "runs"  # where run directories are created
@@ -107,6 +108,7 @@ class ParallelConfig:
     microbatches: Optional[int] = None  # pp > 1: micro-batches per pipeline step; None: 2 * pp
     pp_stages: Optional[list[int]] = None  # blocks per stage (sums to the depth); None: balanced
     timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
+    overlap_grad_reduce: bool = True  # dp > 1 on the arena: reduce gradient buckets during the last backward
 
 
 NAMESPACES: dict[str, Any] = {
@@ -116,4 +118,3 @@ NAMESPACES: dict[str, Any] = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
-    overlap_grad_reduce: bool = True  # dp > 1 on the arena: reduce gradient buckets during the last backward
