@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
 __all__ = ["save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
@@ -123,11 +124,35 @@ def _held_shape(model: Modules) -> Any:
 
 
 def _as_held(held: Any, fqn: str, t: Any) -> Any:
-    """``t`` viewed in its held shape (the same storage: loading into the view fills ``t``)."""
+    """``t`` in its held shape: a view (the same storage: loading into the view fills ``t``),
+    or, for a DTensor whose shards are not boxes of that shape (FSDP2's Shard(0) of GPT-2's
+    (3C,) q/k/v bias seen as (3, C)), the whole tensor gathered (a collective; small tensors
+    only: a held shape regroups one fused projection). :func:`_back_to` puts a loaded one back."""
     if not torch.is_tensor(t):
         return t
     shape = held(fqn, tuple(t.shape))
-    return t if shape == tuple(t.shape) else t.view(shape)
+    if shape == tuple(t.shape):
+        return t
+    if isinstance(t, DTensor) and not _shards_are_boxes(t, shape):
+        return t.full_tensor().view(shape)
+    return t.view(shape)
+
+
+def _shards_are_boxes(t: DTensor, shape: tuple[int, ...]) -> bool:
+    """Whether each shard of ``t`` viewed as ``shape`` is a box: every sharded dimension and
+    those before it keep their sizes."""
+    return all(tuple(shape[:p.dim + 1]) == tuple(t.shape[:p.dim + 1])
+               for p in t.placements if isinstance(p, Shard))
+
+
+def _back_to(loaded: torch.Tensor, like: Any) -> Any:
+    """``loaded`` (read into what :func:`_as_held` gave for ``like``) in ``like``'s shape and
+    layout: a gathered whole cut back into this rank's shard."""
+    if isinstance(like, DTensor) and not isinstance(loaded, DTensor):
+        cut = distribute_tensor(loaded.reshape(like.shape), like.device_mesh, like.placements, src_data_rank=None)
+        like.to_local().copy_(cut.to_local())
+        return like
+    return loaded.view(like.shape)
 
 
 def _indexed_params(optimizer: Optimizer) -> list[tuple[int, list[torch.Tensor]]]:
@@ -485,6 +510,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     chunks: dict[str, list] = {}
     sharded = _sharded(optimizer)
     pieces = sharded.shard_pieces() if sharded is not None else {}  # where this rank's shards cut
+    put_back: list[tuple[dict[str, Any], str, str]] = []  # state entries read through a held shape
     for start, ps in _indexed_params(optimizer) if optimizer is not None else ():
         for idx, p in enumerate(ps, start):
             fqn = names.get(id(p))
@@ -504,6 +530,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                 if size == held_p:
                     st[k] = torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor p
                     targets[key] = _as_held(held, fqn, st[k])
+                    put_back.append((st, k, key))
                     continue
                 st[k] = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
                 targets[key] = st[k]
@@ -512,8 +539,10 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.load(targets, checkpoint_id=str(path), storage_reader=reader, planner=_LoadPlanner(chunks),
                  no_dist=not _dist())
+    for st, k, key in put_back:
+        st[k] = _back_to(targets[key], st[k])
     for m, sd in zip(_modules(model), states):
-        set_model_state_dict(m, {k: targets[_MODEL + k].view(sd[k].shape) for k in sd if _MODEL + k in targets},
+        set_model_state_dict(m, {k: _back_to(targets[_MODEL + k], sd[k]) for k in sd if _MODEL + k in targets},
                              options=StateDictOptions(strict=strict))
     if optimizer is None:
         return meta["extra"]
