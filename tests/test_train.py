@@ -78,6 +78,18 @@ def test_different_seed_gives_a_different_run(tmp_path):
     assert la != lb
 
 
+def test_train_threads_holds_for_the_run_only(tmp_path):
+    """kiln.train in a caller's process (a notebook, a benchmark, a test) gives the caller's
+    thread count back: a later run there computes as it would have."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _train(tmp_path, MLP, "train.max_steps=2", "train.threads=1")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_epochs_sets_the_number_of_steps(tmp_path):
     run = _train(tmp_path, MLP, "train.max_steps=null", "train.epochs=2", "data.batch_size=500")
     summary = json.loads((run / "summary.json").read_text())

@@ -68,7 +68,12 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     ``run_dir`` names a new, empty run directory instead of creating one under output_dir.
     Started by torchrun, every process calls this; rank 0 alone writes the run directory.
     """
-    run = setup(cfg, name=name, resume=resume, run_dir=run_dir)  # records a stop inside it itself
+    threads = torch.get_num_threads()  # train.threads holds for this run only: the caller's comes back
+    try:
+        run = setup(cfg, name=name, resume=resume, run_dir=run_dir)  # records a stop inside it itself
+    except BaseException:
+        torch.set_num_threads(threads)
+        raise
     step, stopped = run.start_step, None  # (no call here: Python checks for signals at calls)
     try:  # at once: a Ctrl-C between setup and the loop is recorded like one in the loop
         tc = cfg.train
@@ -110,6 +115,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                               traceback=traceback.format_exc(), wall_seconds=run.meter.wall_seconds())
         raise
     finally:
+        torch.set_num_threads(threads)
         run.progress.close()
         run.out.close()
         for logger in run.loggers:
