@@ -600,6 +600,8 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
     _check_ties(model, ranges, pp_plan)
     device = torch.device(device)
     indices = list(range(rank, num_stages, pp))  # torch's loop order: stage s on pp rank s % pp
-    stages = [cut_stage(model, ranges, i, plan=plan).to(device) for i in indices]
+    # parameters still on meta (weights read once laid out) stay there, without memory
+    stages = [cut_stage(model, ranges, i, plan=plan)._apply(lambda t: t if t.is_meta else t.to(device))
+              for i in indices]
     return Pipeline(stages, indices, num_stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
                     pp_group=pp_group, dp_group=dp_group, device=device, timing=timing, call=pp_plan.call)

@@ -171,10 +171,6 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     weights = weights_source(model)  # the local Hugging Face directory they come from, or None
     if weights is None:
         load_inner_weights(model)  # from_pretrained inside a module of the user's: read whole, now
-    if weights is not None and layout.pp > 1:
-        # build_pipeline copies its stages .to(device), which meta tensors refuse: until it
-        # leaves them be, a pipeline rank starts from the whole model, uninitialised
-        materialize(model, device)
     model = _to(model, device, precision.param_dtype)
     check_model(cfg, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
