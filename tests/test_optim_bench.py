@@ -30,7 +30,12 @@ def test_quick_run_writes_json_and_chart(tmp_path):
                     "kiln_adamw", "kiln_adamw_foreach"):
             assert r["ms"][key] > 0 and r["vs_torch_fused"][key] > 0 and r["vs_torch_forloop"][key] > 0
         assert r["adamw_bandwidth_floor_ms"] > 0 and r["parameters"] > 0
-    assert "kiln_lamb" in data["layouts"]["small"]["ms"]
+    assert {"kiln_lamb", "kiln_lars"} <= set(data["layouts"]["small"]["ms"])
+    assert {"kiln_lamb", "kiln_lars"} <= set(data["layouts"]["large"]["ms"])  # LAMB and LARS on both layouts
+    assert set(data["layouts"]["small"]["ms_hot"]) == set(data["layouts"]["small"]["ms"])  # hot and cold
+    assert data["machine"]["cpu_capability"] and data["machine"]["threads"] >= 1
+    assert any("LAMB <= 1.6x kiln AdamW" in k for k in data["targets"])
+    assert any("1.1x torch's fused kernel on one flat tensor" in k for k in data["targets"])
     # The claim itself, with a wide margin: on the many-small-tensors layout the arena's one fused
     # update beats the same rule over the parameters as they are (about 8x on these CPUs) and
     # torch's for-loop; a regression that loses the arena would lose this.

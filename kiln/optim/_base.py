@@ -13,14 +13,25 @@ parameter (a byte store), so a parameter that took no part in the backward pass 
 exactly as it is, as torch.optim leaves a parameter whose ``.grad`` is None. The visible
 difference from torch: ``p.grad`` reads as zeros instead of None after ``zero_grad()``.
 
-``step()`` first checks, with one identity test and one pointer comparison per parameter,
-that the arena is still authoritative:
+``step()`` first makes sure the arena is still authoritative:
 
 - a gradient that autograd (or the user) placed outside the arena, e.g. after
   ``model.zero_grad()`` set ``p.grad = None``, is copied in and the view restored;
 - a parameter whose storage changed with the same dtype/device/shape is copied back in;
 - a parameter whose dtype or device changed (``model.half()``, ``model.to("cuda")`` after
   construction) raises an error that names the fix (``optimizer.relink()``).
+
+Finding out costs O(1) per step when nothing changed, not a test per parameter: each
+``p.grad`` is a view that only the parameter holds, watched through a weak reference (its
+death, when ``p.grad`` is reassigned, marks the gradients dirty); the gradient hooks check the
+parameter's pointer and gradient as autograd delivers them (the backward touches each one
+anyway); and the flat parameter's storage has a use count that ``p.data = ...`` (``to_empty()``,
+``.half()``) lowers. Only when one of these says so, or a frozen parameter holds a gradient,
+does ``step()`` compare every parameter. What the signals cannot see: ``p.grad`` set to None
+while the user keeps the old gradient tensor alive elsewhere, for a parameter no backward
+reaches before ``step()``; and a parameter moved out of the arena at the moment something else
+takes a new view of it, for a parameter that then receives no gradient (it is found, and its
+values copied in, the next time it does).
 
 A step that finds no new gradient since the previous step does what torch.optim does:
 ``step(); step()`` applies the update again with the gradients the parameters still hold,
@@ -50,6 +61,7 @@ import inspect
 import operator
 import os
 import warnings
+import weakref
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
@@ -99,13 +111,33 @@ def _hooked_step(opt: "ArenaOptimizer", closure: Callable[[], Any] | None) -> An
     return Optimizer.profile_hook_step(type(opt)._step)(opt, closure)
 
 
-def _flag_hook(flags: bytearray, slot: int) -> Callable[[torch.Tensor], None]:
-    # Holds the flags, not the optimizer, so a dropped optimizer is not kept alive by its hooks.
-    def hook(_param: torch.Tensor) -> None:
+def _flag_hook(flags: bytearray, dirty: bytearray, slot: int, pack: "_Pack", i: int) -> Callable[[torch.Tensor], None]:
+    # Holds the flags and the pack's lists, not the optimizer, so a dropped optimizer is not kept
+    # alive by its hooks. The two identity tests are the backward's share of the arena check: a
+    # parameter that receives a gradient is checked here, where it is in cache anyway.
+    grefs, ptrs = pack.grefs, pack.ptrs
+
+    def hook(param: torch.Tensor) -> None:
         flags[slot] = 1
         flags[-1] = 1  # "some gradient arrived since the last step"
+        ref = grefs[i]
+        if ref is None or param.grad is not ref():
+            dirty[1] = 1  # the gradient is not the arena's view (a watched one)
+        if param.data_ptr() != ptrs[i]:
+            dirty[0] = 1  # the parameter left the arena (p.data = ...)
 
     return hook
+
+
+def _dirty_setter(dirty: bytearray) -> Callable[[Any], None]:
+    def gone(_ref: Any) -> None:  # a watched gradient view died: p.grad was reassigned
+        dirty[1] = 1
+
+    return gone
+
+
+_DEAD = object()  # what a dead watched view is expected to be: never any p.grad
+_use_count = torch._C._storage_Use_Count
 
 
 class _Pack:
@@ -114,8 +146,19 @@ class _Pack:
     def __init__(self, arena: Arena, group: int, params: list[torch.Tensor], s0: int) -> None:
         self.arena, self.group, self.params = arena, group, params
         self.s0, self.s1 = s0, s0 + len(params)
-        self.gexpect: list[torch.Tensor | None] = [None] * len(params)
-        self.ptrs: list[int] = []
+        # What p.grad must be, per slot (see ArenaOptimizer._sync): a view of the flat gradient
+        # that only p holds, watched through a weak reference (grefs), or a view the arena holds
+        # itself (strong: not watchable, e.g. put back by ZeRO-2), or None (frozen, no gradient).
+        self.grefs: list[weakref.ref | None] = [None] * len(params)
+        self.strong: list[torch.Tensor | None] = [None] * len(params)
+        self.unwatched = 0        # slots whose expected gradient is strong
+        self.frozen: list[int] = []  # slots whose p.grad must stay None
+        self.hookless: list[int] = []  # slots with a view but no gradient hook (see zero_grad)
+        self.ptrs: list[int] = [0] * len(params)  # p.data_ptr() of each parameter (in the arena)
+        # The flat parameter's storage: its use count changes when a parameter leaves it
+        # (p.data = ..., to_empty(), .half()); puse is the count when all were last checked.
+        self.pstore = arena.param.untyped_storage()
+        self.puse = -1
         self.state: dict[str, torch.Tensor] = {}          # name -> (N,) flat state
         self.sviews: dict[str, list[torch.Tensor]] = {}   # name -> per-param views
         self.step_vec = torch.zeros(len(params), dtype=torch.float32)  # CPU, like torch's 'step'
@@ -126,6 +169,7 @@ class _Pack:
         self.all_ones = b"\x01" * len(params)
         self.grad_version = arena.grad._version
         self.step_t = torch.zeros((), dtype=torch.float32, device=arena.device)
+        self.step0 = self.step_vec[0] if params and arena.device.type == "cpu" else None
         self.scratch: torch.Tensor | None = None
         self.scratch_views: list[torch.Tensor] = []
         self.is1d = [len(s) <= 1 for s in arena.shapes]
@@ -137,6 +181,28 @@ class _Pack:
         # and is stepped; the whole pack keeps the parameters, gradients and step counts.
         self.shard: _Pack | None = None
         self.trainable = b""  # on a shard pack: which of the whole arena's segments step
+
+    def expected_grad(self, i: int) -> Any:
+        """What p.grad of slot i must be: the arena's view, None, or _DEAD (a watched view died)."""
+        if self.strong[i] is not None:
+            return self.strong[i]
+        ref = self.grefs[i]
+        if ref is None:
+            return None
+        v = ref()
+        return _DEAD if v is None else v
+
+    def grads_intact(self) -> bool:
+        """Every p.grad is what it must be: an identity test per parameter (the slow check)."""
+        return all(map(operator.is_, map(_grad_of, self.params), map(self.expected_grad, range(len(self.params)))))
+
+    def step_tensor(self, step: int) -> torch.Tensor:
+        """A 0-d tensor holding ``step`` beside the arena (for torch's fused kernels): in the
+        uniform case on CPU a view of step_vec, which already holds it (no fill per step)."""
+        if self.step0 is not None and self.uniform and step == self.step:
+            return self.step0
+        self.step_t.fill_(step)
+        return self.step_t
 
     def set_uniform(self) -> None:
         steps = self.step_vec.tolist()
@@ -169,6 +235,10 @@ class ArenaOptimizer(Optimizer):
         self._built = False
         self._hooks: list[Any] = []
         self._flags = bytearray(1)
+        # [0]: a parameter may have left the arena; [1]: a p.grad may not be the arena's view.
+        # Set by the gradient hooks and by the death of a watched gradient view (see _sync).
+        self._dirty = bytearray(b"\x01\x01")
+        self._grad_gone = _dirty_setter(self._dirty)
         self._warned_stale = False  # the "no new gradient" warning is shown once
         super().__init__(params, defaults)
         if contiguous and any(map(_torch_impl, self.param_groups)):
@@ -240,21 +310,30 @@ class ArenaOptimizer(Optimizer):
                         flags[slot + i] = 1
                         flags[-1] = 1  # counts as fresh for the next step
                     self._link_grad(pack, i)
-                pack.ptrs = [p.data_ptr() for p in ps]
+                pack.ptrs[:] = [p.data_ptr() for p in ps]  # in place: the hooks hold the list
+                self._rewatch(pack)
                 pack.grad_version = arena.grad._version
                 self._packs.append(pack)
                 slot += len(ps)
         self._complex_packs = [pk for pk in self._packs if pk.arena.dtype.is_complex]
 
-    def _link_grad(self, pack: _Pack, i: int) -> None:
+    def _link_grad(self, pack: _Pack, i: int, force: bool = False) -> None:
+        """Point p.grad at a fresh view of the flat gradient that only p holds, watched by a weak
+        reference whose death (p.grad reassigned) marks the gradients dirty; frozen parameters
+        without a gradient keep None, as with torch (``force``: link a view anyway)."""
         p = pack.params[i]
-        if p.requires_grad or p.grad is not None:
-            p.grad = pack.arena.gviews[i]
-            pack.gexpect[i] = p.grad
+        pack.strong[i] = None
+        if force or p.requires_grad or p.grad is not None:
+            lo, n = pack.arena._starts[i], pack.arena.numels[i]
+            view = pack.arena.grad[lo:lo + n].view(pack.arena.shapes[i])
+            # the new reference first: the old one then dies silently with the old view
+            pack.grefs[i] = weakref.ref(view, self._grad_gone)
+            p.grad = view
         else:  # frozen without a gradient: leave .grad None, as torch does
-            pack.gexpect[i] = None
+            pack.grefs[i] = None
         if p.requires_grad and getattr(p, "_kiln_hooked", None) is not self._flags:
-            self._hooks.append(p.register_post_accumulate_grad_hook(_flag_hook(self._flags, pack.s0 + i)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                _flag_hook(self._flags, self._dirty, pack.s0 + i, pack, i)))
             p._kiln_hooked = self._flags  # one hook per parameter per build
 
     def relink(self) -> None:
@@ -355,17 +434,28 @@ class ArenaOptimizer(Optimizer):
 
     # -- per-step checks ------------------------------------------------------------------
     def _sync(self, check_fresh: bool, grads: bool = True) -> None:
-        """Make the arena authoritative again (see the module docstring). O(params) but only
-        an identity test and a pointer comparison each in the common case. ``grads=False``:
-        parameters only (a sharded step whose full gradient may be freed)."""
+        """Make the arena authoritative again (see the module docstring). ``grads=False``:
+        parameters only (a sharded step whose full gradient may be freed).
+
+        O(1) in the common case: nothing marked dirty (no watched gradient view died, no
+        gradient hook saw a foreign gradient or a moved parameter), the flat parameter's
+        storage has the use count it had at the last full check (a parameter moved out of it
+        by ``p.data = ...`` drops it by one), and every frozen parameter still has no gradient.
+        Otherwise one identity test and one pointer comparison per parameter."""
+        dirty, flags = self._dirty, self._flags
         foreign = False
-        for pack in self._packs:
-            params = pack.params
-            if list(map(_data_ptr, params)) != pack.ptrs:
-                self._relink_params(pack)
-            if grads and not all(map(operator.is_, map(_grad_of, params), pack.gexpect)):
-                foreign |= self._absorb_grads(pack)
-        if check_fresh and not foreign and not self._flags[-1] and not self._warned_stale:
+        if dirty[0] or (grads and dirty[1]) or not self._intact(grads):
+            dirty[0] = 0  # cleared first: whatever happens during the check marks it again
+            if grads:
+                dirty[1] = 0
+            for pack in self._packs:
+                params = pack.params
+                if list(map(_data_ptr, params)) != pack.ptrs:
+                    self._relink_params(pack)
+                if grads and not pack.grads_intact():
+                    foreign |= self._absorb_grads(pack)
+                pack.puse = _use_count(pack.pstore._cdata)
+        if check_fresh and not foreign and not flags[-1] and not self._warned_stale:
             if all(pk.arena.grad._version == pk.grad_version for pk in self._packs) and any(
                     p.requires_grad for pk in self._packs for p in pk.params):
                 self._warned_stale = True
@@ -377,6 +467,17 @@ class ArenaOptimizer(Optimizer):
                     "assign=True), to_empty(), re-created modules), so the optimizer holds the old ones "
                     "and trains nothing: build the optimizer after loading, or load without assign=True "
                     "(it copies into the arena). Shown once per optimizer.", stacklevel=5)
+
+    def _intact(self, grads: bool) -> bool:
+        """The O(1) part of :meth:`_sync`: per arena one storage use count (and, where there
+        are any, the frozen parameters' and the unwatchable gradients' slots)."""
+        for pack in self._packs:
+            if _use_count(pack.pstore._cdata) != pack.puse:
+                return False
+            if grads and (pack.unwatched or (pack.frozen and any(
+                    pack.params[k].grad is not None for k in pack.frozen))):
+                return False
+        return True
 
     def _relink_params(self, pack: _Pack) -> None:
         arena = pack.arena
@@ -403,7 +504,10 @@ class ArenaOptimizer(Optimizer):
         with torch.no_grad():
             for i, p in enumerate(pack.params):
                 g, view = p.grad, pack.arena.gviews[i]
-                if g is pack.gexpect[i]:
+                if g is pack.expected_grad(i):
+                    continue
+                if g is view:  # the arena's own view, put back by ZeRO-2: adopted, not watchable
+                    pack.grefs[i], pack.strong[i] = None, view
                     continue
                 if g is None:  # model.zero_grad() or a user set it to None: no gradient
                     view.zero_()
@@ -412,9 +516,16 @@ class ArenaOptimizer(Optimizer):
                     view.copy_(g)
                     flags[pack.s0 + i] = 1
                     foreign = True
-                p.grad = view
-                self._link_grad(pack, i)
+                self._link_grad(pack, i, force=True)
+        self._rewatch(pack)
         return foreign
+
+    def _rewatch(self, pack: _Pack) -> None:
+        pack.unwatched = sum(v is not None for v in pack.strong)
+        pack.frozen = [i for i in range(len(pack.params)) if pack.grefs[i] is None and pack.strong[i] is None]
+        # linked to a view without a gradient hook (frozen when linked, given a gradient by hand)
+        pack.hookless = [i for i, p in enumerate(pack.params) if i not in pack.frozen
+                         and getattr(p, "_kiln_hooked", None) is not self._flags]
 
     # -- public API -----------------------------------------------------------------------
     @torch.no_grad()
@@ -424,13 +535,28 @@ class ArenaOptimizer(Optimizer):
         autograd delivers one, so parameters outside the next backward are not updated."""
         if not self.contiguous:
             return super().zero_grad(set_to_none)
+        check = self._dirty[1]  # O(1) unless a gradient may have been reassigned
         for pack in self._packs:
             # a gradient assigned by hand since the last step would otherwise be accumulated into
-            if not all([p.grad is e for p, e in zip(pack.params, pack.gexpect)]):
-                for p, e in zip(pack.params, pack.gexpect):
-                    p.grad = e
+            if (check or pack.unwatched or pack.frozen) and not pack.grads_intact():
+                for i, p in enumerate(pack.params):
+                    e = pack.expected_grad(i)
+                    if p.grad is not e:
+                        if e is _DEAD:
+                            self._link_grad(pack, i, force=True)
+                        else:
+                            p.grad = e
+                self._rewatch(pack)
+            if set_to_none and pack.hookless:
+                # as torch: None, so that autograd's next gradient (the parameter unfrozen) is
+                # a fresh tensor the check sees, not an unseen accumulation into the view
+                for i in pack.hookless:
+                    pack.grefs[i], pack.strong[i] = None, None
+                    pack.params[i].grad = None
+                self._rewatch(pack)
             pack.arena.grad.zero_()
             pack.grad_version = pack.arena.grad._version
+        self._dirty[1] = 0
         if self._shard_spec and not self._shard_spec[3]:  # shard gradients of their own
             for sp in self._shards:
                 sp.arena.grad.zero_()
@@ -455,11 +581,16 @@ class ArenaOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # as torch's _use_grad_for_differentiable: autograd records the step only if asked to
-        with torch.set_grad_enabled(bool(self.defaults.get("differentiable"))):
+        # (set directly: the context manager is three Python calls per step)
+        prev, want = torch.is_grad_enabled(), bool(self.defaults.get("differentiable"))
+        torch._C._set_grad_enabled(want)
+        try:
             if not self.contiguous:
                 self._step_lists()
             else:
                 self._step_arena()
+        finally:
+            torch._C._set_grad_enabled(prev)
         return loss
 
     def _step_arena(self) -> None:
@@ -477,9 +608,14 @@ class ArenaOptimizer(Optimizer):
                 # the common case: one update over the whole flat buffer
                 group = self.param_groups[pack.group]
                 self._ensure_state(pack, group)
-                self._update_flat(pack, group, 0, len(pack.params), pack.step + 1)
-                pack.step += 1
+                pack.step += 1  # first: the update may read the count from step_vec (step_tensor)
                 pack.step_vec.add_(1)
+                try:
+                    self._update_flat(pack, group, 0, len(pack.params), pack.step)
+                except BaseException:
+                    pack.step -= 1
+                    pack.step_vec.sub_(1)
+                    raise
                 if pack.n_init < len(pack.params):
                     self._init_entries(pack, group, range(len(pack.params)))
             else:

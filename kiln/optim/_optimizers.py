@@ -7,10 +7,11 @@ Fast paths with ``contiguous=True``:
   arena: the same math as torch.optim, one kernel, no per-parameter launch.
 - LAMB, LARS: the elementwise part of the rule runs as one ``torch.compile``d kernel
   over the flat buffer (hyperparameters in a 0-d tensor vector, so a schedule never
-  recompiles); the per-tensor norms are one ``torch._foreach_norm`` over the parameter
-  and direction views together; the per-tensor scaled update one ``_foreach_addcmul_``
-  (LAMB). Set ``KILN_OPTIM_EAGER=1`` or pass ``compile=False`` to run the same rule eagerly
-  (no 15-20 s first compile on CPU).
+  recompiles). Per-tensor norms and per-tensor factors never loop over tensors: the flat range
+  is viewed as (B, blk) rows, blk dividing every tensor's padded length, so the norms are one
+  row reduction per buffer plus one segment sum, and a per-tensor factor is a (B, 1) column
+  that one broadcasting kernel applies (see ``_segments``). Set ``KILN_OPTIM_EAGER=1`` or pass
+  ``compile=False`` to run the same rule eagerly (no 15-20 s first compile on CPU).
 
 With ``contiguous=False`` (per-parameter lists, for FSDP2 / DTensor parameters) SGD, Adam
 and AdamW call the same fused kernels on the lists (one launch per step, per-tensor step
@@ -37,7 +38,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import math
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 from torch.optim.adam import adam as _torch_adam
@@ -45,7 +47,7 @@ from torch.optim.optimizer import _to_scalar
 from torch.optim.sgd import sgd as _torch_sgd
 
 from kiln.optim import _rules
-from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _list_norms, _norm_dtype, _Pack
+from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _norm_dtype, _Pack
 
 __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 
@@ -63,10 +65,13 @@ def _fused_ok(device: torch.device, dtype: torch.dtype, opt: ArenaOptimizer) -> 
             and not getattr(opt, "_force_rule", False))
 
 
+def _hp_dtype(like: torch.Tensor) -> torch.dtype:
+    return torch.float64 if like.dtype == torch.float64 else torch.float32
+
+
 def _hp(values: list[float], like: torch.Tensor) -> torch.Tensor:
     # hyperparameters as one small tensor: the compiled kernels see new values, never new code
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.tensor(values, dtype=dtype, device=like.device)
+    return torch.tensor(values, dtype=_hp_dtype(like), device=like.device)
 
 
 class SGD(ArenaOptimizer):
@@ -205,8 +210,7 @@ class Adam(ArenaOptimizer):
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
         p, g, m, v, *vmax = _flat_args(pack, i, j, *self.state_names(group))
         if _fused_ok(p.device, p.dtype, self):
-            pack.step_t.fill_(step)
-            _fused_adam([p], [g], [m], [v], vmax, [pack.step_t], group)
+            _fused_adam([p], [g], [m], [v], vmax, [pack.step_tensor(step)], group)
             return
         beta1, beta2 = group["betas"]
         out = _rules.adam(p, g, m, v, vmax[0] if vmax else None, lr=group["lr"], beta1=beta1,
@@ -294,21 +298,68 @@ def _lamb_kernel(p, g, m, v, u_out, hp):
                                       bc1=bc1, bc2=bc2, c1=c1, c2=c2))
 
 
-def _lars_dir_kernel(p, g, d_out, hp):
-    """d = g + wd*p into d_out; hp = (wd,)."""
-    d_out.copy_(_rules.lars_direction(p, g, weight_decay=hp[0]))
+def _lars_mom_kernel(p, g, buf, wd, q, hp, nesterov: bool):
+    """LARS's update, in place on p and buf: the direction d = g + wd*p (wd per block, (B, 1):
+    0 for tensors excluded from decay) scaled by the per-block trust ratio q (B, 1), then the
+    heavy-ball step; hp = (lr, momentum). d is recomputed here rather than read back: it was
+    only ever held a chunk at a time, for its norms (see LARS._update_flat)."""
+    d = _rules.lars_direction(p, g, weight_decay=wd)
+    _rules.momentum_update(p, d * q, buf, lr=hp[0], momentum=hp[1], nesterov=nesterov)
 
 
-def _lars_mom_kernel(p, d, buf, hp, nesterov: bool):
-    """Heavy-ball step on the scaled direction d, in place on p, buf (and d); hp = (lr, momentum)."""
-    _rules.momentum_update(p, d, buf, lr=hp[0], momentum=hp[1], nesterov=nesterov)
+# Elements per chunk of a per-tensor-norm update: the direction of a chunk is computed and its
+# block norms taken while the chunk is still in cache (1 << 19 fp32 = 2 MiB per buffer).
+_CHUNK = 1 << 19
 
 
-def _segment_norms(pack: _Pack, i: int, j: int, ts: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor L2 norms of ts (views of segments i..j-1 of pack, several lists concatenated),
-    completed by ``pack.norm_reduce`` when pack covers only part of each tensor (a shard)."""
-    norms = _list_norms(ts)
+class _Segments(NamedTuple):
+    """Segments i..j-1 of an arena (or a shard's pieces) as rows of one (B, blk) view of their
+    flat range, blk the largest block that divides every segment's padded length (at least the
+    64-byte alignment), so that a per-segment statistic is a per-row reduction and a
+    per-segment factor a (B, 1) column that broadcasts, with no per-tensor kernel."""
+
+    blk: int
+    rows: torch.Tensor      # (2*(j-i),) int64: blocks per segment, twice (two buffers' norms)
+    row_seg: torch.Tensor   # (B,) int64: the segment of each block, 0-based from i
+    sq: torch.Tensor        # (2*B,) the two buffers' block norms, then their squares
+    chunks: list[tuple[int, int]]  # row ranges [a, b) of about _CHUNK elements
+
+
+def _segments(pack: _Pack, i: int, j: int) -> _Segments:
+    key = ("segments", i, j)
+    seg = pack.cache.get(key)
+    if seg is None:
+        lengths = pack.arena.lengths[i:j]
+        blk = math.gcd(*lengths) or 1
+        rows = torch.tensor([n // blk for n in lengths], dtype=torch.int64)
+        row_seg = torch.repeat_interleave(torch.arange(j - i), rows)
+        nb, dev = len(row_seg), pack.arena.device
+        per = max(1, _CHUNK // blk)
+        sq = torch.empty(2 * nb, dtype=_norm_dtype(pack.arena.dtype), device=dev)
+        seg = pack.cache[key] = _Segments(blk, rows.repeat(2).to(dev), row_seg.to(dev), sq,
+                                          [(a, min(a + per, nb)) for a in range(0, nb, per)])
+    return seg
+
+
+def _block_norms(seg: _Segments, a: int, b: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Norms of rows a..b-1 of x and y, (b - a, blk) each, into seg.sq (x's, then y's)."""
+    nb = len(seg.row_seg)
+    torch.linalg.vector_norm(x, dim=1, dtype=seg.sq.dtype, out=seg.sq[a:b])
+    torch.linalg.vector_norm(y, dim=1, dtype=seg.sq.dtype, out=seg.sq[nb + a:nb + b])
+
+
+def _segment_norms(pack: _Pack, i: int, j: int, seg: _Segments) -> torch.Tensor:
+    """(2*(j-i),) per-segment L2 norms of the two buffers whose block norms are in seg.sq: one
+    segment sum of the blocks' squares (padding is zero and adds nothing). Completed by
+    ``pack.norm_reduce`` when pack covers only part of each tensor (a shard)."""
+    # unsafe: the lengths are ours and valid (the checks cost more than the sum here)
+    norms = torch.segment_reduce(seg.sq.square_(), "sum", lengths=seg.rows, unsafe=True).sqrt_()
     return norms if pack.norm_reduce is None else pack.norm_reduce(i, j, norms)
+
+
+def _column(r: torch.Tensor, seg: _Segments, dtype: torch.dtype) -> torch.Tensor:
+    """A per-segment factor as a (B, 1) column, one value per block, in the buffers' dtype."""
+    return (r if r.dtype == dtype else r.to(dtype)).index_select(0, seg.row_seg).unsqueeze_(1)
 
 
 class LAMB(ArenaOptimizer):
@@ -325,8 +376,8 @@ class LAMB(ArenaOptimizer):
     elementwise part is one compiled kernel (``compile=False`` or ``KILN_OPTIM_EAGER=1``
     runs it eagerly) that writes the direction u to a scratch buffer the size of the arena;
     a step moves 12 element passes (kernel: read w, g, m, v, write m, v, u; norms: read w, u;
-    update: read w, u, write w) against AdamW's 7, and no schedule can go below 10 (the
-    trust ratio needs all of u before any of w can move).
+    update: read w, u, write w) against AdamW's 7, and no schedule can go below 10 (the trust
+    ratio needs all of u before any of w can move).
     """
 
     config_name = "lamb"
@@ -353,15 +404,18 @@ class LAMB(ArenaOptimizer):
         b1, b2 = group["betas"]
         hp = _hp([b1, b2, 1 - b1, 1 - b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step], p)
         _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, hp)
-        # Per-tensor norms and the scaled update over the segment views. Measured alternatives
-        # on 192 tensors / 2.4 M (CPU, 1 thread): per-64-byte-block sums inside the compiled
-        # kernel + segment_reduce/index_add (+ a gathered per-block ratio) were no faster (inductor
-        # vectorises the 16-wide inner reduction poorly), and torch.segment_reduce over N
-        # elements is 2x slower than one _foreach_norm over both lists.
-        pviews, uviews = pack.arena.pviews[i:j], pack.scratch_views[i:j]
-        norms = _segment_norms(pack, i, j, pviews + uviews)
+        # Per-tensor norms as passes over the flat range, viewed as (B, blk) rows that never
+        # straddle two tensors: block norms then one segment sum; the scaled update one addcmul_
+        # with the ratio as a (B, 1) column (see _segments): no per-tensor kernel. On 192 tensors
+        # / 2.4 M (CPU) this replaced a _foreach_norm over 384 views and a _foreach_addcmul_ with
+        # 192 0-d ratios (a broadcasting kernel each). Chunking the kernel to take the norms while
+        # a chunk is in cache (as LARS does) was slower: a compiled call costs ~0.3 ms of CPU.
+        seg = _segments(pack, i, j)
+        P, U = p.view(-1, seg.blk), u.view(-1, seg.blk)
+        _block_norms(seg, 0, len(seg.row_seg), P, U)
+        norms = _segment_norms(pack, i, j, seg)
         r = _rules.trust_ratio(norms[:j - i], norms[j - i:], clip=group["trust_clip"])
-        torch._foreach_addcmul_(pviews, uviews, list(r.to(p.dtype).unbind()), value=-group["lr"])
+        P.addcmul_(U, _column(r, seg, p.dtype), value=-group["lr"])
 
     def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], key: int) -> None:
         P, G, M, V = self._lists(ps, "exp_avg", "exp_avg_sq")
@@ -409,21 +463,47 @@ class LARS(ArenaOptimizer):
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
         p, g, buf = _flat_args(pack, i, j, "momentum_buffer")
-        lo, hi = pack.arena.segment_range(i, j)
-        d = self._scratch(pack)[lo:hi]
-        wd = group["weight_decay"]
-        _kernel(_lars_dir_kernel, self.compile)(p, g, d, _hp([wd], p))
-        pviews, dviews = pack.arena.pviews[i:j], pack.scratch_views[i:j]
-        one_d = [k for k in range(i, j) if pack.is1d[k]] if group["exclude_1d"] else []
-        if one_d and wd:  # undo the decay: d = g for biases and norm weights
-            torch._foreach_copy_([pack.scratch_views[k] for k in one_d], [pack.arena.gviews[k] for k in one_d])
-        norms = _segment_norms(pack, i, j, pviews + dviews)
+        seg = _segments(pack, i, j)
+        p, g, buf = (t.view(-1, seg.blk) for t in (p, g, buf))
+        # exclude_1d: biases and norm weights get neither decay nor adaptation; per block, so
+        # that one kernel serves every tensor of the range
+        keep = self._decayed(pack, i, j, seg, bool(group["exclude_1d"]), _hp_dtype(p))
+        wd = keep[0] * group["weight_decay"]
+        # The direction d = g + wd*p chunk by chunk into a chunk-sized buffer, block norms of w
+        # and d while in cache; the update recomputes d, so d never makes a pass of its own.
+        d = self._chunk_buffer(pack, seg)
+        for a, b in seg.chunks:
+            torch.addcmul(g[a:b], p[a:b], wd[a:b], out=d[:b - a])
+            _block_norms(seg, a, b, p[a:b], d[:b - a])
+        norms = _segment_norms(pack, i, j, seg)
         q = _rules.trust_ratio(norms[:j - i], norms[j - i:], eta=group["eta"])
-        if one_d:
-            q[torch.tensor(one_d) - i] = 1.0
-        torch._foreach_mul_(dviews, list(q.to(p.dtype).unbind()))
-        _kernel(_lars_mom_kernel, self.compile)(p, d, buf, _hp([group["lr"], group["momentum"]], p),
-                                                bool(group["nesterov"]))
+        if keep[1] is not None:
+            q = torch.where(keep[1], q, 1.0)
+        _kernel(_lars_mom_kernel, self.compile)(p, g, buf, wd, _column(q, seg, p.dtype),
+                                                _hp([group["lr"], group["momentum"]], p), bool(group["nesterov"]))
+
+    @staticmethod
+    def _chunk_buffer(pack: _Pack, seg: _Segments) -> torch.Tensor:
+        """The pack's scratch buffer, a chunk of the direction long (not the arena's length),
+        as (rows, blk); counted by :meth:`state_bytes` like any scratch."""
+        rows = max(b - a for a, b in seg.chunks)
+        if pack.scratch is None or pack.scratch.numel() < rows * seg.blk:
+            pack.scratch = torch.empty(rows * seg.blk, dtype=pack.arena.dtype, device=pack.arena.device)
+        return pack.scratch[:rows * seg.blk].view(rows, seg.blk)
+
+    @staticmethod
+    def _decayed(pack: _Pack, i: int, j: int, seg: _Segments, exclude_1d: bool,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """((B, 1) 1.0 for the blocks of decayed tensors, 0.0 for excluded ones, in the dtype of
+        the hyperparameters (so that weight_decay is not rounded to a 16-bit dtype); (j-i,) bool
+        mask of the adapted segments, or None when no segment of the range is excluded)."""
+        key = ("lars_keep", i, j, exclude_1d, dtype)
+        if key not in pack.cache:
+            adapt = [not (exclude_1d and pack.is1d[k]) for k in range(i, j)]
+            mask = torch.tensor(adapt, device=pack.arena.device)
+            col = mask.to(dtype).index_select(0, seg.row_seg).unsqueeze(1)
+            pack.cache[key] = (col, None if all(adapt) else mask)
+        return pack.cache[key]
 
     def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], key: int) -> None:
         P, G, B = self._lists(ps, "momentum_buffer")

@@ -194,12 +194,16 @@ def trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, *, eta=1.0, clip=Non
     """
     if clip is not None:
         w_norm = w_norm.clamp(max=clip)
-    ok = (w_norm > 0) & (u_norm > 0)
-    return torch.where(ok, eta * w_norm / torch.where(ok, u_norm, 1), torch.ones_like(w_norm))
+    # norms are >= 0, so "both > 0" is "the smaller > 0"; where that fails the quotient (inf
+    # or nan) is discarded. Five small kernels: this runs once per step over S values.
+    ok = torch.minimum(w_norm, u_norm) > 0
+    return torch.where(ok, (w_norm if eta == 1.0 else eta * w_norm) / u_norm, 1.0)
 
 
 def lars_direction(p, g, *, weight_decay):
-    """LARS's direction d = g + wd*p, whose per-tensor norm sets the trust ratio."""
+    """LARS's direction d = g + wd*p, whose per-tensor norm sets the trust ratio. weight_decay
+    may be a tensor that broadcasts (per block over the arena, 0 where a tensor is excluded);
+    the arena takes the norms of the same sum computed by ``torch.addcmul(g, p, wd)``."""
     return g + weight_decay * p
 
 
