@@ -65,7 +65,8 @@ def native_low_precision(device: torch.device | str, dtype: torch.dtype) -> bool
     device = torch.device(device)
     if device.type == "cuda":
         if dtype == torch.bfloat16:
-            return torch.cuda.is_bf16_supported()
+            # not including_emulation: before Ampere torch runs bf16, but emulated and slow
+            return torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.cuda.get_device_capability(device)[0] >= 7  # tensor cores from Volta on
     if device.type == "cpu":
         caps = cpu_capability()
@@ -87,7 +88,7 @@ def machine_info() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_bf16"] = torch.cuda.is_bf16_supported()
+        info["gpu_bf16"] = torch.cuda.is_bf16_supported(including_emulation=False)
     return info
 
 

@@ -63,6 +63,23 @@ def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
     ]
 
 
+def _precision_lines(tc: Any) -> list[str]:
+    """This machine (what its CPU computes natively) and the precision the config trains in here."""
+    from kiln.hardware import machine_line
+    from kiln.precision import emulation_note, resolve
+
+    lines = [f"machine     {machine_line()}"]
+    if tc.device == "cuda" and not torch.cuda.is_available():
+        return lines + [f"precision   {tc.precision} (train.device=cuda: resolved on the GPU that trains)"]
+    device = torch.device("cuda" if tc.device != "cpu" and torch.cuda.is_available() else "cpu")
+    mode = resolve(tc.precision, device)
+    if tc.precision == "auto":
+        why = "bf16 is native here" if mode == "bf16-mixed" else "bf16 would be emulated here"
+        return lines + [f"precision   auto: {mode} on {device.type} ({why})"]
+    note = emulation_note(mode, device)
+    return lines + [f"precision   {mode} on {device.type}" + (f" (warning: {note})" if note else "")]
+
+
 def describe(cfg: Any, world: int | None = None) -> str:
     """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x pp)."""
     from kiln.parallel import check_parallel_config
@@ -94,6 +111,7 @@ def describe(cfg: Any, world: int | None = None) -> str:
         f"contiguous arena {'on' if cfg.optim.contiguous else 'off'}",
         f"data        {_data_line(dc)}",
         "length      " + (f"{tc.max_steps} steps" if tc.max_steps is not None else f"{tc.epochs} epochs"),
+        *_precision_lines(tc),
     ]
     pc = cfg.parallel
     if world is None:

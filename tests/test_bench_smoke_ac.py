@@ -5,17 +5,32 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+import kiln.hardware
 from kiln.bench import BENCHMARKS, run_benchmark
 
 pytestmark = pytest.mark.slow  # runs a benchmark: the full suite runs it, the fast tier does not
+
+
+def _assert_machine(saved: dict) -> None:
+    """Every benchmark's JSON says where it ran: the CPU, what it computes natively, threads, torch."""
+    machine = saved["machine"]
+    assert machine == {**kiln.hardware.machine_info(), **{k: machine[k] for k in ("threads",)}}
+    assert machine["cpu"] and machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(machine["native_bf16"], bool) and machine["threads"] >= 1
+    assert machine["torch"] == torch.__version__
 
 
 def test_encoder_layer_bench_quick(tmp_path):
     assert "encoder-layer" in BENCHMARKS
     report = run_benchmark("encoder-layer", tmp_path, quick=True)
     saved = json.loads((tmp_path / "encoder-layer.json").read_text())
-    assert saved["results"].keys() == report["results"].keys() >= {"a", "c", "c-eager"}
+    assert saved["results"].keys() == report["results"].keys() >= {"a", "c-fp32-eager", "c-fp32", "c", "c-eager"}
+    _assert_machine(saved)
+    best = saved["targets"]["best_total_1.5x"]
+    assert best["variant"] in saved["results"] and best["variant"] not in ("a", "b")
+    assert best["speedup"] == saved["results"][best["variant"]]["speedup_vs_a"]["total"]
     for name, r in saved["results"].items():
         for phase in ("forward", "backward", "step", "total"):
             assert r["ms_per_step"][phase] > 0, (name, phase)
@@ -31,6 +46,7 @@ def test_memory_bench_quick(tmp_path):
     assert "memory" in BENCHMARKS
     run_benchmark("memory", tmp_path, quick=True)
     saved = json.loads((tmp_path / "memory.json").read_text())
+    _assert_machine(saved)
     assert {(r["ac"], r["precision"]) for r in saved["rows"]} == {("none", "fp32"), ("full", "fp32")}
     for r in saved["rows"]:
         assert r["activation_mb"] > 0 and r["step_ms"] > 0 and r["peak_mb"] > r["baseline_mb"] > 0, r

@@ -175,3 +175,10 @@ def test_foreign_target_is_checked_against_its_signature():
     tree["model"] = {"_target_": "no.such.module.Thing"}
     with pytest.raises(ConfigError, match="cannot be imported"):
         validate(tree)
+
+
+def test_precision_defaults_to_auto_and_lists_it():
+    assert load_config(MLP).train.precision == "auto"  # resolved per device when the run is set up
+    assert load_config(MLP, ["train.precision=fp32"]).train.precision == "fp32"
+    msg = _error(MLP, ["train.precision=bf16"])
+    assert "train.precision" in msg and "'auto'" in msg and "'bf16-mixed'" in msg

@@ -101,6 +101,72 @@ def test_dropout_layer_trains_and_eval_matches(fast):
     assert not torch.allclose(a, mine.eval()(x))  # and dropout is on in training
 
 
+def _spelled_out(layer: EncoderLayer, x: torch.Tensor, bits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The layer's training forward written the plain way: every dropout a fast_dropout of its
+    own bits, scaled where it is applied (the layer moves the scales into proj and fc2)."""
+    cfg, p = layer.cfg, layer.cfg.dropout
+    H, C = cfg.heads, x.shape[-1]
+    order = (2, 0, 3, 1, 4) if cfg.batch_first else (2, 1, 3, 0, 4)
+    q, k, v = layer.qkv(layer.norm1(x)).unflatten(-1, (3, H, C // H)).permute(order).unbind(0)
+    probs = fast_dropout(((q / (C // H) ** 0.5) @ k.transpose(-2, -1)).softmax(-1), p, bits=bits[0])
+    y = (probs @ v).permute((0, 2, 1, 3) if cfg.batch_first else (2, 0, 1, 3)).flatten(-2)
+    x = x + fast_dropout(layer.proj(y), p, bits=bits[1])
+    h = fast_dropout(torch.relu(layer.fc1(layer.norm2(x))), p, bits=bits[2])
+    return x + fast_dropout(layer.fc2(h), p, bits=bits[3])
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["BTC", "TBC"])
+def test_fast_dropout_layer_is_the_spelled_out_dropout(batch_first):
+    """The fused training forward (scales folded into proj and fc2, one where per dropout) is
+    the layer with four fast_dropouts of the same bits: same outputs, same gradients."""
+    layer, _ = _pair(batch_first, dropout=0.25, fast_dropout=True)
+    shape = (4, 12, HIDDEN) if batch_first else (12, 4, HIDDEN)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(9)
+    sizes = layer._dropout_sizes(x)
+    bits = random_bits16(sum(sizes)).split(sizes)  # what the layer draws after the same seed
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(9)
+    y1 = layer(x1)
+    (y1**2).mean().backward()
+    grads1 = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    y2 = _spelled_out(layer, x2, bits)
+    (y2**2).mean().backward()
+    torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), g1 in zip(layer.named_parameters(), grads1):
+        torch.testing.assert_close(g1, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    # and dropout really drops: about a quarter of the attention probabilities' positions
+    keep = bits[0] >= -(2**15) + round(0.25 * 2**16)
+    assert abs(1 - keep.double().mean().item() - 0.25) < 0.01
+    # p = 0 in training, and eval mode, are the layer without dropout (the torch layer's path)
+    layer.eval()
+    ref = layer(x)
+    layer.train()
+    layer.cfg.dropout = 0.0
+    assert torch.equal(layer(x), ref)
+
+
+def test_fast_dropout_keep_rate_scale_and_mask_across_p():
+    """For several p: the kept fraction is 1 - p within 5 binomial sigmas, kept values are scaled
+    by 1 / (1 - p) (p rounded to 2**-16), and the gradient passes through the same mask."""
+    n = 1_000_000
+    for p in (0.05, 0.1, 0.5, 0.9):
+        torch.manual_seed(1)
+        x = torch.full((n,), 2.0, requires_grad=True)
+        y = fast_dropout(x, p)
+        kept = y != 0
+        sigma = (p * (1 - p) / n) ** 0.5
+        assert abs(kept.double().mean().item() - (1 - p)) < 5 * sigma, p
+        q = round(p * 2**16) / 2**16
+        torch.testing.assert_close(y[kept], torch.full_like(y[kept], 2.0 / (1 - q)))
+        y.sum().backward()
+        assert torch.equal(x.grad != 0, kept)
+        torch.testing.assert_close(x.grad[kept], torch.full_like(x.grad[kept], 1 / (1 - q)))
+    assert fast_dropout(x, 0.0) is x and fast_dropout(x, 0.5, training=False) is x
+
+
 def test_fast_dropout_layer_under_checkpoint_is_bitwise_equal():
     cfg = EncoderLayerConfig(hidden=32, ffn=64, heads=4, dropout=0.1, fast_dropout=True)
     grads = {}

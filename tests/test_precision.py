@@ -90,6 +90,7 @@ def test_unscale_divides_by_the_scale_once():
     torch.testing.assert_close(model.weight.grad, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::kiln.precision.PrecisionWarning")  # bf16 emulated here, or not
 def test_precision_policy_autocasts():
     policy = Precision("bf16-mixed", "cpu")
     with policy.autocast():
@@ -216,3 +217,104 @@ def test_resume_from_a_middle_checkpoint_reproduces_the_run(tmp_path, precision,
         assert expected["model"]["blocks.0.0.weight"].dtype == torch.bfloat16
         assert expected["masters"] and all(torch.equal(expected["masters"][k], again["masters"][k])
                                            for k in expected["masters"])
+
+
+# ---- train.precision=auto and the emulation warning (kiln.hardware) ---------------------------
+
+def _cpu_reports(monkeypatch, native_bf16: bool) -> None:
+    """Make kiln.hardware report a CPU with (or without) native bf16, e.g. AVX-512-BF16 or AVX2 only."""
+    import kiln.hardware
+    import kiln.precision
+
+    caps = {"capability": "AVX512" if native_bf16 else "AVX2", "avx2": True, "avx512": native_bf16,
+            "avx512_bf16": native_bf16, "amx": False, "amx_fp16": False, "native_bf16": native_bf16,
+            "native_fp16": False}
+    monkeypatch.setattr(kiln.hardware, "cpu_capability", lambda: caps)
+    monkeypatch.setattr(kiln.precision, "_warned", set())  # a fresh process: nothing warned yet
+
+
+def test_auto_is_the_default_and_resolves_by_the_hardware(monkeypatch):
+    import kiln.hardware
+    from kiln.config import load_config
+    from kiln.precision import resolve
+
+    assert load_config(MLP).train.precision == "auto"
+    native = kiln.hardware.cpu_capability()["native_bf16"]  # this machine, unpatched
+    assert resolve("auto", "cpu") == ("bf16-mixed" if native else "fp32")
+    _cpu_reports(monkeypatch, native_bf16=False)  # AVX2 only (the AMD EPYC these figures came from)
+    policy = Precision("auto", "cpu")
+    assert (policy.mode, policy.requested, policy.autocast_dtype) == ("fp32", "auto", None)
+    _cpu_reports(monkeypatch, native_bf16=True)  # AVX-512-BF16
+    policy = Precision("auto", "cpu")
+    assert (policy.mode, policy.autocast_dtype, policy.scaler) == ("bf16-mixed", torch.bfloat16, None)
+    assert all(resolve(m, "cpu") == m for m in ("fp32", "fp16-mixed", "bf16-true", "fp64"))
+    with pytest.raises(ValueError, match="auto"):
+        resolve("bf16", "cpu")
+
+
+def test_explicit_low_precision_on_emulating_hardware_warns_once(monkeypatch, recwarn):
+    from kiln.precision import PrecisionWarning
+
+    _cpu_reports(monkeypatch, native_bf16=False)
+    Precision("bf16-mixed", "cpu")
+    Precision("bf16-true", "cpu")  # the same type on the same device: already said
+    Precision("auto", "cpu")  # resolves to fp32 here: nothing to warn about
+    Precision("fp32", "cpu")
+    shown = [w for w in recwarn if issubclass(w.category, PrecisionWarning)]
+    assert len(shown) == 1
+    msg = str(shown[0].message)
+    assert "\n" not in msg and "bf16 is emulated on this CPU" in msg and "AVX2" in msg
+    assert "slower than fp32" in msg and "train.precision=auto (fp32 here)" in msg
+    Precision("fp16-mixed", "cpu")  # another type: its own line
+    assert sum(issubclass(w.category, PrecisionWarning) for w in recwarn) == 2
+
+    recwarn.clear()
+    _cpu_reports(monkeypatch, native_bf16=True)  # native bf16: bf16 modes say nothing
+    Precision("bf16-mixed", "cpu")
+    Precision("bf16-true", "cpu")
+    assert not [w for w in recwarn if issubclass(w.category, PrecisionWarning)]
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    before = set(tmp_path.iterdir())
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=3", "train.eval_every=0",
+                 "train.progress=none", *overrides]) == 0
+    (run,) = set(tmp_path.iterdir()) - before
+    ckpt = load_checkpoint(run / "checkpoints" / "final")
+    return json.loads((run / "summary.json").read_text()), ckpt
+
+
+@pytest.mark.filterwarnings("ignore::kiln.precision.PrecisionWarning")  # the explicit bf16-mixed run on "AVX2"
+@pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])
+def test_the_resolved_mode_is_what_trains_and_the_run_records_it(tmp_path, monkeypatch, native):
+    _cpu_reports(monkeypatch, native_bf16=native)
+    expected = "bf16-mixed" if native else "fp32"
+    summary, auto = _run(tmp_path)  # the default: auto
+    assert summary["precision"] == expected and auto["precision"]["mode"] == expected
+    assert ("AVX512, native bf16" if native else "AVX2, bf16 emulated") in summary["machine"]
+    _, explicit = _run(tmp_path, f"train.precision={expected}")
+    _, other = _run(tmp_path, f"train.precision={'fp32' if native else 'bf16-mixed'}")
+    # bitwise the run of the mode auto resolved to, and not the other mode's
+    assert all(torch.equal(auto["model"][k], explicit["model"][k]) for k in auto["model"])
+    assert not all(torch.equal(auto["model"][k], other["model"][k]) for k in auto["model"])
+
+
+def test_plan_and_tune_print_the_machine(monkeypatch, capsys):
+    import kiln.hardware
+    import kiln.tune
+
+    assert main(["plan", MLP]) == 0
+    out = capsys.readouterr().out
+    assert f"machine     {kiln.hardware.machine_line()}" in out
+    assert "precision   auto: " in out
+    _cpu_reports(monkeypatch, native_bf16=False)
+    assert main(["plan", MLP, "train.precision=bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "AVX2, bf16 emulated" in out and "precision   bf16-mixed on cpu (warning: " in out
+
+    row = {"overrides": ["train.precision=fp32"], "samples_per_second": 100.0, "peak_memory_mb": 1.0,
+           "final_train_loss": 1.0}
+    monkeypatch.setattr(kiln.tune, "tune", lambda *args, **kwargs: [row])
+    assert main(["tune", MLP, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"machine: {kiln.hardware.machine_line()}" in out and "AVX2, bf16 emulated" in out

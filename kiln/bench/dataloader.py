@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
+from kiln.hardware import machine_info, machine_line
+
 __all__ = ["run", "AugmentedDigits"]
 
 FULL = dict(batch_size=32, batches=24, repeats=2)
@@ -224,6 +226,8 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
     projected = max(auto, 1) / cpu_ratio
     speedup = results["workers=auto"]["samples_per_s"] / results["workers=0"]["samples_per_s"]
 
+    machine = {**machine_info(), "threads": 1}  # torch runs single-threaded in every loader process
+    print(f"kiln bench dataloader on {machine_line(machine)} per process")
     print(f"{'loader':14} {'workers':>7} {'samples/s':>10} {'ms/batch':>9} {'main CPU ms/batch':>18} "
           f"{'first batch s':>14}")
     for name, r in results.items():
@@ -253,6 +257,7 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
     if quick:
         notes.append("quick run: too few batches for the numbers to mean anything")
     report = {
+        "machine": machine,
         "setup": dict(spec, upsample=dataset.upsample, out=dataset.out, sample_ms_in_process=sample_ms,
                       auto_workers=auto, cpu_parallelism=parallelism, load_average=os.getloadavg(), torch=torch.__version__, quick=quick),
         "results": results,

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.hardware import machine_info, machine_line
+
 # Shape legend: B batch (per rank), T sequence length, C width, V vocabulary.
 
 VIT = dict(name="vit", image_size=8, patch_size=2, dim=64, depth=4, heads=4, pool="mean")  # configs/digits_vit.py
@@ -198,12 +200,14 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
     rows = _measure(("vit", "gpt"), steps, warmup, rounds)
     # 2 processes x 1 thread only scale when 2 cores are free: a 1-minute load average above
     # (cores - 2) while measuring means other work took cores from the 2-process side.
-    machine = {"cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
+    machine = {**machine_info(), "threads": 1,  # per process
+               "cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
                "load_1min_after": os.getloadavg()[0]}
     report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW",
                         "steps": steps, "warmup": warmup, "rounds": rounds, "vit": VIT, "gpt": GPT},
               "machine": machine, "rows": rows}
     table = _table(rows)
+    print(f"kiln bench ddp on {machine_line(machine)} per process")
     print(table)
     print(f"machine: {machine['cpus']} cpus, 1-min load average {load_before:.1f} before, "
           f"{machine['load_1min_after']:.1f} after (other work competes with the 2 processes when it is high)")

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from kiln.hardware import machine_info, machine_line
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "hf_gpt2_tiny.py"
 BATCH, LR = 32, 3e-3
@@ -101,12 +103,14 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
         raise SystemExit("kiln bench hf needs Hugging Face transformers: pip install 'kiln[hf]'") from None
     out_dir = Path(out_dir)
     steps, warmup = (12, 4) if quick else (120, 20)
-    kiln_rows = {"kiln fp32": [], "kiln compile": ["train.compile=true"],
+    # explicit modes: the default, train.precision=auto, would make "kiln fp32" bf16 where bf16 is native
+    kiln_rows = {"kiln fp32": ["train.precision=fp32"], "kiln compile": ["train.precision=fp32", "train.compile=true"],
                  "kiln bf16-mixed": ["train.precision=bf16-mixed"]}
     if quick:
         kiln_rows.pop("kiln compile")
     cpu = torch.backends.cpu.get_cpu_capability()
     results: dict[str, Any] = {
+        "machine": machine_info(),
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "threads": torch.get_num_threads(), "cpu_capability": cpu, "load_average_at_start": list(os.getloadavg()),
         "model": "GPT2LMHeadModel (configs/hf_gpt2_tiny.py)", "batch": BATCH, "steps": steps, "warmup": warmup,
@@ -126,6 +130,7 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
 
 
 def _print_table(results: dict[str, Any]) -> None:
+    print(f"kiln bench hf on {machine_line(results['machine'])}")
     print(f"{results['model']}, batch {results['batch']}, {results['steps']} steps "
           f"({results['warmup']} warm-up left out); torch {results['torch_version']}, transformers "
           f"{results['transformers_version']}, {results['threads']} threads, CPU {results['cpu_capability']}")

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.hardware import machine_info, machine_line
+
 WIDTH, DEPTH = 1024, 3            # 3 x (1024x1024 + 3 x 1024) = 3.16 M parameters
 QUICK_WIDTH, QUICK_DEPTH = 128, 2
 FORMULA = {0: lambda n: (4, 4, 8), 1: lambda n: (4, 4, 8 / n), 2: lambda n: (4, 4 / n, 8 / n),
@@ -182,12 +184,15 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
         r["gs_vs_stage0"] = (r["grad_bytes"] + r["state_bytes"]) / (base["grad_bytes"] + base["state_bytes"])
         r["target"] = 1 / r["dp"] + 0.05 if r["stage"] == 2 else None
     stage2 = [r for r in rows if r["stage"] == 2]
+    machine = {**machine_info(), "threads": 1}  # each rank runs one thread (bytes do not depend on it)
     report = {
+        "machine": machine,
         "model": {"width": width, "depth": depth, "n_params": rows[0]["n_params"], "optimizer": "AdamW fp32"},
         "rows": rows,
         "target_met": all(r["gs_vs_stage0"] <= r["target"] for r in stage2),
     }
     table = _table(rows)
+    print(f"kiln bench zero on {machine_line(machine)} per rank")
     print(table)
     print(f"target (stage 2 grads+state <= 1/dp + 5% of stage 0's): {'met' if report['target_met'] else 'MISSED'}")
     (out_dir / "zero.json").write_text(json.dumps(report, indent=2))

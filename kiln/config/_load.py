@@ -401,6 +401,10 @@ def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"unknown optimizer {name!r} in optim.name" + _suggest(name, OPTIMIZERS, "")
                           + f" (kiln's optimizers: {', '.join(OPTIMIZERS)})")
     cls = OPTIMIZERS[name]
+    torch_names = ("adamw", "adam", "sgd")  # kiln.train._build.TORCH_OPTIMIZERS
+    if values["impl"] != "kiln" and name not in torch_names:
+        raise ConfigError(f"optim.impl={values['impl']} builds torch.optim's class, and torch has no {name}; "
+                          f"use optim.impl=kiln, or optim.name={'|'.join(torch_names)}")
     specific = {key for other in OPTIMIZERS.values() for key in other.config_options}
     defaults = {f.name: f.default for f in dataclasses.fields(OptimConfig)}
     for key in sorted(specific - set(cls.config_options)):
@@ -518,6 +522,10 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.loggers includes tensorboard, but the tensorboard package is not installed; "
                               "pip install 'kiln[tensorboard]' or remove it from train.loggers")
+    if cfg["optim"]["impl"] != "kiln" and (train["precision"] == "bf16-true" or cfg["parallel"]["zero"] in (1, 2)):
+        what = "train.precision=bf16-true" if train["precision"] == "bf16-true" else f"parallel.zero={cfg['parallel']['zero']}"
+        raise ConfigError(f"{what} works on kiln's arena, which optim.impl={cfg['optim']['impl']} (torch.optim's "
+                          "class) does not have; set optim.impl=kiln")
     if train["precision"] == "bf16-true" and not cfg["optim"]["contiguous"]:
         raise ConfigError("train.precision=bf16-true keeps its fp32 master weights in kiln's arena; "
                           "set optim.contiguous=true (or use train.precision=bf16-mixed)")

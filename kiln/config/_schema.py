@@ -42,6 +42,11 @@ class OptimConfig:
     nesterov: bool = False  # Nesterov momentum for SGD/LARS
     # (each optimizer class declares which of betas..nesterov it takes: config_options)
     contiguous: bool = True  # kiln's arena: all parameters and grads in one flat buffer
+    # kiln: kiln's optimizer (arena, or multi-tensor where the layout has no arena); torch-forloop,
+    # torch-foreach, torch-fused: torch.optim's class of the same name (adamw, adam, sgd) with that
+    # implementation (foreach=False / foreach=True / fused=True), as a plain PyTorch script builds
+    # it, for comparisons (kiln bench vit); optim.contiguous does not apply to it
+    impl: Literal["kiln", "torch-forloop", "torch-foreach", "torch-fused"] = "kiln"
     no_decay_1d: bool = True  # no weight decay for biases and norm weights (ndim <= 1)
     schedule: Literal["constant", "cosine", "linear", "onecycle"] = "constant"  # lr schedule
     warmup_steps: int = 0  # linear warm-up steps (cosine, linear and constant schedules)
@@ -61,17 +66,18 @@ class TrainConfig:
     max_steps: Optional[int] = None  # optimizer steps to run; None: use train.epochs
     epochs: Optional[int] = None  # passes over the training set (when max_steps is None)
     eval_every: int = 0  # evaluate every N steps; 0: only at the end
-    eval_grad: bool = False
     log_every: int = 10  # log train loss, lr and speed every N steps
     seed: int = 0  # seeds Python, NumPy and torch; same seed on CPU = same run, bit for bit
     output_dir: str = "runs"  # where run directories are created
     run_name: Optional[str] = None  # run directory prefix; None: the config file's name
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     threads: Optional[int] = None  # torch intra-op CPU threads; None: torch's default
+    # auto: bf16-mixed where the device computes bf16 natively (CPU with AVX-512-BF16 or AMX, a
+    # GPU with bf16 units), fp32 elsewhere (emulated bf16 is several times slower than fp32) |
     # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state; fp16
     # with dynamic loss scaling) | bf16-true (bf16 params and activations, fp32 master weights
     # and optimizer state) | fp64 (for numerical checks). See kiln/precision.py.
-    precision: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64"] = "auto"
     accumulate: int = 1  # micro-batches per optimizer step, each data.batch_size / accumulate
     clip_grad_norm: Optional[float] = None  # clip the global gradient norm (after unscaling)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks
@@ -85,6 +91,9 @@ class TrainConfig:
     keep_checkpoints: int = 3  # periodic checkpoints kept (final.pt and best.pt always are)
     loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])  # csv always on
     early_stopping: Optional[EarlyStoppingConfig] = None  # e.g. {metric: eval_accuracy, mode: max}
+    # evaluate with autograd on, as a hand-written loop without torch.no_grad does (slower, more
+    # memory); exists only so that `kiln bench pipeline` can measure what forgetting no_grad costs
+    eval_grad: bool = False
     # L(fn)(...) with fn(outputs, batch, **kwargs) -> scalar loss (or a class whose instances are
     # such callables); None: the loss the model returns, else the task's cross-entropy on logits
     loss: Any = None

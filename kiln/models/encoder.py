@@ -174,8 +174,43 @@ class EncoderLayer(nn.Module):
             # one graph break under torch.compile instead of four.
             sizes = self._dropout_sizes(x)
             bits = random_bits16(sum(sizes), x.device).split(sizes)
-            return self._forward(x, p, bits)
-        return self._forward(x, p, None)
+            return self._forward_fast(x, p, bits)
+        return self._forward(x, p)
+
+    def _forward_fast(self, x: torch.Tensor, p: float, bits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The forward with :func:`fast_dropout`'s masks, in as few passes over memory as the math allows.
+
+        Each dropout ``drop(z) = where(keep, z, 0) * s`` (s = 1 / (1 - p)) is one ``where`` here:
+        its scale s moves into a weight, thousands of elements instead of the activation's
+        millions. ``proj(drop(P) V) = proj`` with weight W s; ``fc2(drop(h))`` likewise; and the
+        dropout on ``proj``'s and ``fc2``'s outputs scales their weight and bias by s once more.
+        On CPU a pass over the (B, H, T, T) attention probabilities (50 x 16 x 80 x 80 = 5.1 M
+        floats in ``kiln bench encoder-layer``) costs about as much as the matmul that makes
+        them: this saves one such pass in forward and one in backward per dropout, beside the
+        random draws :func:`random_bits16` already saves. The result equals the spelled-out
+        dropouts to rounding, gradients included (tests/test_encoder.py).
+        """
+        threshold, s = _drop_threshold(p)
+        H, C = self.cfg.heads, x.shape[-1]
+        # ---- attention: x + drop(proj(drop(softmax(q k^T / sqrt(Dh))) v))
+        qkv = self.qkv(self.norm1(x)).unflatten(-1, (3, H, C // H))  # (B, T, 3, H, Dh) or (T, B, 3, H, Dh)
+        order = (2, 0, 3, 1, 4) if self.cfg.batch_first else (2, 1, 3, 0, 4)
+        # one copy into (3, B, H, T, Dh): the batched matmuls then read q, k (transposed) and v
+        # in place, where strided views would each be copied, forward and backward
+        q, k, v = qkv.permute(order).contiguous().unbind(0)  # each (B, H, T, Dh)
+        scores = (q * (q.shape[-1] ** -0.5)) @ k.transpose(-2, -1)  # (B, H, T, T)
+        keep = bits[0].view(scores.shape) >= threshold
+        y = torch.where(keep, scores.softmax(dim=-1), 0.0) @ v  # (B, H, T, Dh), not yet scaled by s
+        back = (0, 2, 1, 3) if self.cfg.batch_first else (2, 0, 1, 3)
+        y = y.permute(back).flatten(-2)  # (B, T, C) or (T, B, C)
+        # s * s: the attention dropout's scale and the residual dropout's, b * s: the latter's
+        a = F.linear(y, self.proj.weight * (s * s), self.proj.bias * s)
+        x = x + torch.where(bits[1].view(x.shape) >= threshold, a, 0.0)
+        # ---- feed-forward: x + drop(fc2(drop(act(fc1(ln2(x))))))
+        h = self._act(self.fc1(self.norm2(x)))  # (..., F)
+        h = torch.where(bits[2].view(h.shape) >= threshold, h, 0.0)
+        out = F.linear(h, self.fc2.weight * (s * s), self.fc2.bias * s)
+        return x + torch.where(bits[3].view(x.shape) >= threshold, out, 0.0)
 
     def _dropout_sizes(self, x: torch.Tensor) -> list[int]:
         tokens = x.shape[0] * x.shape[1]
@@ -183,34 +218,22 @@ class EncoderLayer(nn.Module):
         attn_probs = tokens * self.cfg.heads * T  # (B, H, T, T)
         return [attn_probs, tokens * self.cfg.hidden, tokens * self.cfg.ffn, tokens * self.cfg.hidden]
 
-    def _drop(self, x: torch.Tensor, p: float, bits: tuple[torch.Tensor, ...] | None, i: int) -> torch.Tensor:
-        if p == 0.0:
-            return x
-        if bits is None:
-            return F.dropout(x, p, training=True)
-        return fast_dropout(x, p, bits=bits[i])
+    def _forward(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        """The forward with ``F.dropout`` (or none: p = 0, eval)."""
+        drop = (lambda z: F.dropout(z, p)) if p > 0.0 else (lambda z: z)
+        x = x + drop(self._attention(self.norm1(x), p))
+        h = drop(self._act(self.fc1(self.norm2(x))))  # (..., F)
+        return x + drop(self.fc2(h))
 
-    def _forward(self, x: torch.Tensor, p: float, bits: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-        x = x + self._drop(self._attention(self.norm1(x), p, bits), p, bits, 1)
-        h = self._drop(self._act(self.fc1(self.norm2(x))), p, bits, 2)  # (..., F)
-        return x + self._drop(self.fc2(h), p, bits, 3)
-
-    def _attention(self, h: torch.Tensor, p: float, bits: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, p: float) -> torch.Tensor:
         H = self.cfg.heads
         C = h.shape[-1]
         qkv = self.qkv(h).unflatten(-1, (3, H, C // H))  # (B, T, 3, H, Dh) or (T, B, 3, H, Dh)
         # Both layouts become (3, B, H, T, Dh) views; SDPA takes strided inputs, so no copy here.
         order = (2, 0, 3, 1, 4) if self.cfg.batch_first else (2, 1, 3, 0, 4)
         q, k, v = qkv.permute(order).unbind(0)  # each (B, H, T, Dh)
-        if p > 0.0 and bits is not None:
-            # SDPA draws its own dropout mask inside its kernel, so the fast-dropout path
-            # spells the attention out: softmax(q k^T / sqrt(Dh)), dropout, times v.
-            scores = (q * (q.shape[-1] ** -0.5)) @ k.transpose(-2, -1)  # (B, H, T, T)
-            probs = fast_dropout(scores.softmax(dim=-1), p, bits=bits[0])
-            y = probs @ v  # (B, H, T, Dh)
-        else:
-            # F.scaled_dot_product_attention applies dropout whenever dropout_p > 0, even in eval.
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # (B, H, T, Dh)
+        # F.scaled_dot_product_attention applies dropout whenever dropout_p > 0, even in eval.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # (B, H, T, Dh)
         back = (0, 2, 1, 3) if self.cfg.batch_first else (2, 0, 1, 3)
         y = y.permute(back).flatten(-2)  # (B, T, C) or (T, B, C)
         return self.proj(y)

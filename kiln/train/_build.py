@@ -205,9 +205,15 @@ def param_groups(model: nn.Module, no_decay_1d: bool) -> list[dict[str, Any]]:
     return groups
 
 
+# optim.impl=torch-*: optim.name -> torch.optim's class (kiln's defaults are torch's, so the same
+# config keys build the same optimizer)
+TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
 def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = None) -> torch.optim.Optimizer:
     """kiln's optimizer named by ``optim.name``, over the model's parameter groups
-    (``contiguous`` overrides ``optim.contiguous``: FSDP2's DTensor shards need list mode)."""
+    (``contiguous`` overrides ``optim.contiguous``: FSDP2's DTensor shards need list mode);
+    with ``optim.impl=torch-forloop|torch-foreach|torch-fused``, torch.optim's class instead."""
     import kiln.optim
 
     name = optim_cfg.name
@@ -217,6 +223,11 @@ def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = 
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     groups = param_groups(model, optim_cfg.no_decay_1d)
+    impl = optim_cfg.get("impl", "kiln")
+    if impl != "kiln":  # torch.optim's own class (the config allowed adamw, adam, sgd only)
+        flags = {"torch-forloop": dict(foreach=False), "torch-foreach": dict(foreach=True),
+                 "torch-fused": dict(fused=True)}[impl]
+        return TORCH_OPTIMIZERS[name](groups, lr=optim_cfg.lr, **flags, **kwargs)
     contiguous = optim_cfg.contiguous if contiguous is None else contiguous
     return cls(groups, lr=optim_cfg.lr, contiguous=contiguous, **kwargs)
 

@@ -22,6 +22,7 @@ from torch import nn
 from kiln._version import __version__
 from kiln.config import save_config
 from kiln.errors import ConfigError
+from kiln.hardware import machine_line
 from kiln.hf import deferred_weights, load_inner_weights, load_weights, materialize, weights_source
 from kiln.parallel import Parallel, ZeroOptimizer, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
@@ -159,6 +160,9 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
 
     # ---- build everything before touching the disk --------------------------------------
+    # train.precision=auto resolves here, once, for this device: bf16-mixed where bf16 is
+    # native, else fp32 (precision.mode; summary.json records it). An explicit bf16/fp16 mode
+    # on hardware that emulates it warns, once.
     precision = Precision(tc.precision, device)
     # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
     data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
@@ -257,13 +261,13 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
             out.write_summary(
                 status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
                 kiln_version=__version__, torch_version=torch.__version__, device=str(device),
-                parameters=n_params, total_steps=total_steps,
+                precision=precision.mode, machine=machine_line(), parameters=n_params, total_steps=total_steps,
             )
         elif rank == 0:
             broadcast_path(out.path)
             out.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
             save_config(cfg, out.path / CONFIG)  # may extend max_steps
-            out.write_summary(status="running", total_steps=total_steps,
+            out.write_summary(status="running", total_steps=total_steps, precision=precision.mode,
                               resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
         out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                           "samples_per_second", "peak_memory_mb", "wall_seconds",
@@ -271,7 +275,8 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         loggers = [TensorBoardLogger(out.path / "tensorboard")] if "tensorboard" in tc.loggers else []
         progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
         shown_layout = f", {world} processes ({layout})" if world > 1 else ""
-        progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, "
+        shown_precision = f"{precision.mode} ({precision.requested})" if precision.requested == "auto" else precision.mode
+        progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, {shown_precision}, "
                          f"steps {start_step + 1}..{total_steps} -> {out.path}")
         meter.window_start = time.perf_counter()
         return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
