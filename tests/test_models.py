@@ -207,6 +207,70 @@ def test_vit_cls_token_and_token_count():
     assert create_model("vit").pos_embed.shape == (1, 16, 64)
 
 
+def _vit_pair(**options) -> tuple[nn.Module, nn.Module]:
+    """The same ViT weights in the batch-first and the batch-second layout."""
+    torch.manual_seed(0)
+    first = create_model("vit", batch_first=True, **options)
+    second = create_model("vit", batch_first=False, **options)
+    assert [(n, p.shape) for n, p in first.named_parameters()] == [(n, p.shape) for n, p in second.named_parameters()]
+    second.load_state_dict(first.state_dict())
+    return first, second
+
+
+@pytest.mark.parametrize("pool", ["mean", "cls"])
+def test_vit_batch_second_computes_the_same_function(pool):
+    """batch_first=False keeps tokens (N, B, D) between embedding and head: same weights, same
+    input, the same logits (fp32, 1e-6) and the same gradients; the tokens are the transpose."""
+    first, second = _vit_pair(pool=pool, depth=2)
+    x = torch.randn(5, 1, 8, 8)
+    out1, out2 = first(x), second(x)
+    torch.testing.assert_close(out2, out1, rtol=0, atol=1e-6)
+    out1.square().sum().backward()
+    out2.square().sum().backward()
+    for (name, p1), p2 in zip(first.named_parameters(), second.parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():
+        tokens = first.forward_embed(x)  # (B, N, D)
+        assert tokens.shape == (5, 16 + (pool == "cls"), 64)
+        torch.testing.assert_close(second.forward_embed(x), tokens.transpose(0, 1), rtol=0, atol=0)  # (N, B, D)
+        h1, h2 = tokens, tokens.transpose(0, 1)
+        for b1, b2 in zip(first.blocks, second.blocks):
+            h1, h2 = b1(h1), b2(h2)
+        torch.testing.assert_close(h2, h1.transpose(0, 1), rtol=0, atol=1e-6)
+
+
+def test_vit_batch_second_trains_the_same():
+    """A few AdamW steps from the same weights on the same batches: the same losses and weights."""
+    first, second = _vit_pair(pool="cls", depth=2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.05) for m in (first, second)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+        losses = []
+        for model, opt in zip((first, second), opts):
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-6 * abs(losses[0])
+    for (name, p1), p2 in zip(first.named_parameters(), second.parameters()):
+        if name.endswith("attn.qkv.bias"):
+            # the key bias adds the same number to every score of a query, which softmax cancels:
+            # its true gradient is 0, so Adam turns the two layouts' rounding noise into steps of
+            # up to lr; it changes no output (checked below)
+            p1, p2 = torch.cat([p1[:64], p1[128:]]), torch.cat([p2[:64], p2[128:]])
+        torch.testing.assert_close(p2, p1, rtol=1e-5, atol=1e-5, msg=name)
+    x = torch.randn(8, 1, 8, 8, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(second(x), first(x), rtol=0, atol=1e-5)
+
+
+def test_vit_batch_first_must_be_a_bool():
+    with pytest.raises(ValueError, match="batch_first='no'"):
+        create_model("vit", batch_first="no")
+
+
 def test_vit_blocks_split_reproduces_forward():
     """Running embed -> blocks -> head by hand (as a pipeline stage split does) equals forward."""
     torch.manual_seed(0)

@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ddp": ("kiln.bench.ddp", "data-parallel scaling: samples/s of 2 processes x 1 thread vs 1 x 1 (ViT, small GPT), all-reduce ms/step"),
     "hf": ("kiln.bench.hf", "a Hugging Face GPT-2 trained by kiln train (fp32, compile, bf16-mixed) vs the transformers Trainer: samples/s"),
     "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT, or --family llama (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
+    "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, compile, batch, bf16-true"),
+    "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
 }
 
 

@@ -1,0 +1,144 @@
+"""``kiln bench vit``: the rows are what they claim (config keys, read back from the runs), and
+``--quick`` writes the table's files with positive numbers and neutral techniques stay neutral."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.bench import BENCHMARKS, run_benchmark
+from kiln.bench.vit import BATCH, rows
+
+# (precision, pool, batch_first, optimizer, zero, compile): what each row of the article's table is
+CLAIMED = [
+    ("fp32", "cls", True, "torch-forloop", 0, False),      # 1 baseline: fp32, class token, batch-first, AdamW for-loop, DDP
+    ("bf16-mixed", "cls", True, "torch-forloop", 0, False),  # 2 + AMP
+    ("bf16-mixed", "cls", True, "torch-forloop", 3, False),  # 3 + FSDP (ZeRO-3)
+    ("bf16-mixed", "cls", True, "kiln", 3, False),         # 4 + multi-tensor optimizer
+    ("bf16-mixed", "mean", True, "kiln", 3, False),        # 5 + pooled classifier
+    ("bf16-mixed", "mean", False, "kiln", 3, False),       # 6 + batch-second
+    ("bf16-mixed", "mean", False, "kiln", 3, True),        # 7 + torch.compile
+    ("bf16-mixed", "mean", False, "kiln", 3, True),        # 8 + larger batch
+    ("bf16-true", "mean", False, "kiln", 2, True),         # 9 + full low precision (ZeRO-2: no arena under FSDP2)
+]
+KEYS = ("train.precision", "model.pool", "model.batch_first", "optim.impl", "parallel.zero", "train.compile")
+
+
+def _claimed(keys: dict) -> tuple:
+    return tuple(keys[k] for k in KEYS)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_each_row_adds_what_it_claims(quick):
+    table = rows(quick)
+    assert [_claimed(r["keys"]) for r in table] == CLAIMED
+    batches = [r["keys"]["data.batch_size"] for r in table]
+    assert batches[:7] == [BATCH] * 7 and batches[7] == batches[8] > BATCH  # row 8: the larger batch
+    samples = {r["keys"]["data.batch_size"] * r["keys"]["train.max_steps"] for r in table}
+    assert len(samples) == 1  # every row trains the same number of samples
+    # each row changes only its own keys (row 8: batch, steps and lr; row 9: precision and zero)
+    for before, row in zip(table, table[1:]):
+        changed = sorted(k for k in row["keys"] if row["keys"][k] != before["keys"].get(k))
+        assert changed == row["changed"], row["name"]
+        assert len(changed) == 1 or row["name"].startswith(("+ batch", "+ bf16-true")), row["name"]
+
+
+@pytest.mark.slow  # nine kiln train runs in 2 gloo processes: 136-249 s on the 2 shared cores (load 11-23)
+def test_vit_benchmark_quick(tmp_path):
+    assert "vit" in BENCHMARKS
+    report = run_benchmark("vit", tmp_path, quick=True)
+    assert json.loads((tmp_path / "vit.json").read_text()) == json.loads(json.dumps(report))
+    assert (tmp_path / "vit.png").stat().st_size > 0
+    assert "machine:" in (tmp_path / "vit.txt").read_text()
+    assert report["machine"]["cpu_capability"] and report["setup"]["processes"] == 2
+    table = rows(quick=True)
+    assert [r["name"] for r in report["rows"]] == [r["name"] for r in table]
+    for row, claimed in zip(report["rows"], table):
+        # the config the run was built from (read back inside the run), not the one asked for
+        assert {k: row["config"][k] for k in claimed["keys"] if k in row["config"]} == \
+            {k: v for k, v in claimed["keys"].items() if k in row["config"]}, row["name"]
+        assert row["config"]["train.threads"] == 1
+        for key in ("samples_per_s", "speedup", "peak_mb"):
+            assert row[key] > 0, (row["name"], key, row[key])
+        assert len(row["peak_mb_per_rank"]) == 2
+        assert 0.0 <= row["accuracy"] <= 1.0 and row["steps"] == claimed["keys"]["train.max_steps"]
+    assert report["rows"][0]["speedup"] == 1.0
+    # Numerically neutral techniques train the same model from the same weights on the same
+    # samples, rounding aside: FSDP (row 3) and kiln's multi-tensor AdamW (row 4) against
+    # row 2, batch-second tokens (row 6) against row 5. (AMP, the pooled classifier, the
+    # larger batch and bf16-true change the numbers on purpose.)
+    r = report["rows"]
+    for i, j in ((2, 1), (3, 1), (5, 4)):
+        assert abs(r[i]["eval_loss"] - r[j]["eval_loss"]) <= 2e-3 * r[j]["eval_loss"], (r[i]["name"], r[j]["name"])
+        assert abs(r[i]["accuracy"] - r[j]["accuracy"]) <= 2 / 297 + 1e-9, (r[i]["name"], r[j]["name"])
+    # and the check can tell: another model (the pooled classifier) is further apart than that
+    assert abs(r[4]["eval_loss"] - r[3]["eval_loss"]) > 2e-3 * r[3]["eval_loss"]
+
+
+# -- optim.impl: the baseline's torch.optim.AdamW through the config --------------------------------
+def test_optim_impl_builds_torch_optimizers():
+    import torch
+
+    from kiln.config import load_config
+    from kiln.models import create_model
+    from kiln.train._build import build_optimizer
+
+    model = create_model("vit", depth=1)
+    for impl, flags in (("torch-forloop", dict(foreach=False, fused=None)), ("torch-foreach", dict(foreach=True)),
+                        ("torch-fused", dict(fused=True))):
+        cfg = load_config("configs/digits_vit.py", [f"optim.impl={impl}"])
+        opt = build_optimizer(cfg.optim, model)
+        assert type(opt) is torch.optim.AdamW
+        for group in opt.param_groups:
+            assert {k: group[k] for k in flags} == flags and group["lr"] == cfg.optim.lr
+        # the same groups as kiln's: no decay for biases and norm weights, the config's decay otherwise
+        assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optim.weight_decay, 0.0]
+    cfg = load_config("configs/digits_vit.py", ["optim.impl=torch-forloop", "optim.name=sgd", "optim.momentum=0.9"])
+    opt = build_optimizer(cfg.optim, model)
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["momentum"] == 0.9
+    assert type(build_optimizer(load_config("configs/digits_vit.py").optim, model)).__module__.startswith("kiln.")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.impl=torch-forloop", "optim.name=lamb"], ["optim.impl=torch-forloop", "no lamb", "optim.impl=kiln"]),
+    (["optim.impl=torch-foreach", "train.precision=bf16-true"], ["bf16-true", "arena", "optim.impl=kiln"]),
+    (["optim.impl=torch-fused", "parallel.zero=2"], ["parallel.zero=2", "optim.impl=kiln"]),
+    (["optim.impl=apex"], ["optim.impl"]),
+])
+def test_optim_impl_refuses_what_torch_optimizers_cannot_do(overrides, words):
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/digits_vit.py", overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.slow  # kiln train --nproc 2, four times
+def test_torch_forloop_adamw_trains_under_ddp_and_fsdp(tmp_path):
+    """kiln train --nproc 2 with torch.optim.AdamW (for-loop), replicated and under FSDP2,
+    steps the same weights as kiln's AdamW from the same start (rounding aside)."""
+    import subprocess
+    import sys
+
+    from kiln.bench.vit import CONFIG
+    from kiln.train import read_metrics
+
+    losses = {}
+    for impl in ("torch-forloop", "kiln"):
+        for zero in (0, 3):
+            out = tmp_path / f"{impl}-{zero}"
+            done = subprocess.run(
+                [sys.executable, "-m", "kiln", "train", str(CONFIG), "--nproc", "2", f"optim.impl={impl}",
+                 f"parallel.zero={zero}", "train.max_steps=6", "train.log_every=1", "train.progress=none",
+                 "train.threads=1", f"train.output_dir={out}", "optim.schedule=constant", "model.depth=1"],
+                capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-2000:]
+            (run_dir,) = out.iterdir()
+            losses[impl, zero] = [float(r["train_loss"]) for r in read_metrics(run_dir) if r.get("train_loss")]
+    base = losses["kiln", 0]
+    assert len(base) == 6 and base[-1] < base[0]
+    for key, got in losses.items():
+        assert got == pytest.approx(base, rel=1e-4), key
