@@ -73,7 +73,6 @@ import gc
 import itertools
 import json
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +81,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.bench._rss import Rss
 from kiln.hardware import machine_info, machine_line
 
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
@@ -124,32 +124,6 @@ def _state_bytes(params: list[torch.Tensor], opt: Any) -> dict[str, int]:
     return {"param_bytes": _held(params), "grad_bytes": _held(grads), "optim_bytes": opt.state_bytes()}
 
 
-class _Rss:
-    """Resident set size of this process in bytes, from ``/proc/self/status``, with the peak
-    (``VmHWM``) reset through ``/proc/self/clear_refs``."""
-
-    def __init__(self) -> None:
-        import ctypes
-
-        try:
-            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except OSError:
-            self._trim = None
-
-    @staticmethod
-    def read() -> dict[str, int]:
-        text = Path("/proc/self/status").read_text()
-        return {k: int(re.search(rf"^{k}:\s+(\d+)", text, re.MULTILINE).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
-
-    def restart(self) -> int:
-        """Give freed heap pages back to the OS, reset the peak; return the RSS now (bytes)."""
-        gc.collect()
-        if self._trim is not None:
-            self._trim(0)  # freed memory glibc keeps would be reused without raising the RSS
-        Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to VmRSS (Linux >= 4.0)
-        return self.read()["VmRSS"]
-
-
 # -- communication time -----------------------------------------------------------------------------
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
@@ -189,7 +163,7 @@ def _comm_seconds(prof: Any) -> tuple[float, dict[str, float]]:
 # -- one model on one rank --------------------------------------------------------------------------
 def _worker(rank: int, world: int, layouts: list[tuple[int, int, int]], models: tuple[str, ...],
             settings: dict[str, Any]) -> dict[tuple[int, int, int], dict[str, Any]]:
-    rss = _Rss()
+    rss = Rss()
     # gc.freeze: the full collections that free each model (cycles) then skip the hundreds of
     # thousands of objects the imports made (0.3 s a collection otherwise)
     gc.collect()
@@ -230,7 +204,7 @@ def _tiny(settings: dict[str, Any]) -> dict[str, Any]:
     return dict(settings, model=model, warmup=1, steps=1, profiled=1)
 
 
-def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[str, Any], rss: _Rss) -> dict[str, Any]:
+def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[str, Any], rss: Rss) -> dict[str, Any]:
     """Build ``name``, lay it out, train warm-up, timed and profiled steps; this rank's numbers."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -375,7 +349,7 @@ def _measure(models: tuple[str, ...], layouts: list[tuple[int, int, int]], setti
 
     # One spawned group per number of ranks, running its layouts one after the other: starting
     # processes and importing torch, DTensor and pipelining there costs more than a quick run's
-    # steps, and each model run starts from freed memory (see _Rss.restart) in any case.
+    # steps, and each model run starts from freed memory (see Rss.restart) in any case.
     worlds: dict[int, list[tuple[int, int, int]]] = {}
     for lay in layouts:
         worlds.setdefault(lay[0] * lay[1] * lay[2], []).append(lay)

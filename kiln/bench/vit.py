@@ -68,10 +68,8 @@ say nothing.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import re
 import statistics
 import tempfile
 import textwrap
@@ -80,6 +78,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kiln.bench._rss import Rss
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "digits_vit.py"
@@ -140,31 +140,6 @@ def _overrides(keys: dict[str, Any], quick: bool, output_dir: str) -> list[str]:
 
 
 # -- one rank ---------------------------------------------------------------------------------------
-class _Rss:
-    """This process's resident memory (``/proc/self/status``), with the peak reset between rows."""
-
-    def __init__(self) -> None:
-        import ctypes
-
-        try:
-            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except OSError:
-            self._trim = None
-
-    @staticmethod
-    def read() -> dict[str, int]:
-        text = Path("/proc/self/status").read_text()
-        return {k: int(re.search(rf"^{k}:\s+(\d+)", text, re.MULTILINE).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
-
-    def restart(self) -> int:
-        """Give freed heap pages back, reset the peak to the current RSS; return that RSS (bytes)."""
-        gc.collect()
-        if self._trim is not None:
-            self._trim(0)
-        Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to VmRSS (Linux >= 4.0)
-        return self.read()["VmRSS"]
-
-
 def _worker(rank: int, world: int, table: list[dict[str, Any]], ports: list[int], quick: bool,
             out_dir: str) -> None:
     """Rank ``rank``: every row in turn, each a whole ``kiln.train.train`` run that joins its
@@ -184,7 +159,7 @@ def _worker(rank: int, world: int, table: list[dict[str, Any]], ports: list[int]
         os.environ["KILN_OPTIM_EAGER"] = "1"
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1")
-    rss = _Rss()
+    rss = Rss()
     results = []
     with tempfile.TemporaryDirectory() as runs:
         # a 2-step run of row 1 first: the imports a run makes (scikit-learn's digits, dynamo
