@@ -123,10 +123,7 @@ class _SequenceInput(ParallelStyle):
             return x.redistribute(mesh, (Replicate(),))
         if isinstance(x, DTensor):
             x = x.full_tensor()
-        tp = mesh.size()
-        if x.shape[1] % tp:
-            raise ValueError(f"sequence parallelism splits the {x.shape[1]} tokens of the input over "
-                             f"parallel.tp={tp} ranks; use inputs whose length is a multiple of {tp}")
+        _refuse_uneven_sequence(x.shape[1], mesh.size())
         return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).redistribute(mesh, (_SEQ,)).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -319,12 +316,15 @@ def _to_layout_of(p: DTensor):
     return hook
 
 
+def _refuse_uneven_sequence(tokens: int, tp: int) -> None:
+    if tokens % tp:
+        raise ValueError(f"sequence parallelism splits the {tokens} tokens of the input over parallel.tp={tp} "
+                         f"ranks; use inputs whose length is a multiple of {tp}")
+
+
 def _check_seq_divisible(tp: int):
     def hook(module: nn.Module, args: tuple) -> None:
-        T = args[0].shape[-1]
-        if T % tp:
-            raise ValueError(f"sequence parallelism splits the {T} tokens of the input over parallel.tp={tp} "
-                             f"ranks; use inputs whose length is a multiple of {tp}")
+        _refuse_uneven_sequence(args[0].shape[-1], tp)
     return hook
 
 
