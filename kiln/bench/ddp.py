@@ -1,27 +1,65 @@
-"""``kiln bench ddp``: data-parallel scaling on CPU, 2 processes x 1 thread against
-1 process x 1 thread, on the digits ViT and on a small GPT-like causal transformer.
+"""``kiln bench ddp``: data parallel on 2 processes x 1 thread (gloo), torch DDP against kiln's
+ways of averaging gradients, on the digits ViT, a small GPT and a GPT of 25 M parameters whose
+gradient (100 MB in fp32) makes communication a large part of a step.
 
-Both sides train the same global batch for the same number of steps, with kiln's AdamW
-(arena) and the trainer's per-step order: forward, backward, ``all_reduce_gradients``,
-step, zero_grad. Each process joins a gloo group on 127.0.0.1 with one intra-op thread
-(``kiln.parallel.testing.run_distributed``); the 1-process side runs in the same harness,
-where the all-reduce is a no-op. Reported:
+Methods, each trained on the same initial weights, the same global batch (each rank its
+half) and the same steps, with AdamW at the same lr, betas, eps and weight decay:
+
+- ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its defaults (25 MB
+  buckets, 1 MB first bucket, all-reduced during backward; buffers broadcast from rank 0 at
+  each forward, which for the GPTs is their constant causal mask) and
+  ``torch.optim.AdamW(fused=True)``: the plain PyTorch way.
+- ``kiln_sync``: kiln's AdamW (arena) and :func:`kiln.parallel.all_reduce_gradients` after
+  backward: one all-reduce per arena, nothing overlapped.
+- ``kiln_overlap``: ``ZeroOptimizer(stage=0, overlap=True)`` (25 MB buckets): each bucket
+  all-reduced as soon as backward has completed it.
+- ``kiln_zero2``: ``ZeroOptimizer(stage=2, overlap=True)``: each bucket reduced to the rank
+  owning its shard during backward, the shard stepped, parameters all-gathered after.
+
+The kiln methods follow the trainer's per-step order (``kiln/train/loop.py``): forward,
+backward inside ``sync_gradients(optimizer, last=True)``, ``all_reduce_gradients`` (for a
+``ZeroOptimizer`` its ``reduce_gradients``: waiting for the buckets), step, zero_grad; DDP's
+reducer reduces inside backward, so its step is forward, backward, step, zero_grad. A
+1-process run of ``kiln_sync`` on the whole global batch is the baseline of scaling. Every
+process has one intra-op thread (``kiln.parallel.testing.run_distributed``); per model:
+warm-up steps, timed steps, then profiled steps under ``torch.profiler`` (CPU activities).
+
+Columns, per model and method:
 
 - samples/s = global batch x timed steps / wall time between two barriers (rank 0's clock);
-- scaling efficiency = samples/s with 2 / (2 x samples/s with 1): 1.0 is perfect scaling;
-- gradient-communication ms/step: the median over steps of the ``all_reduce_gradients``
-  call, timed on each rank (the slower of the two ranks' medians is reported). It includes
-  the wait for the other rank to arrive, so it is an upper bound on the wire time.
+- vs DDP: samples/s over ``torch_ddp``'s; efficiency: samples/s over 2 x the 1-process run's
+  (1.0 is perfect scaling);
+- comm ms/step: over the profiled steps, the union of the time intervals of every
+  communication event on any thread (``kiln.bench._profile.COMM_PREFIXES``: on gloo the
+  ``c10d::*`` op on the calling thread and its ``gloo:*`` execution on gloo's worker thread,
+  waits for the peer included), per step; the slower rank's;
+- hidden: the share of that communication time that runs while backward computes,
+  ``|comm ∩ backward| / |comm|``, where backward is the interval from the start of
+  ``loss.backward()`` (a ``record_function("backward")``) to the end of autograd's last node
+  (``autograd::engine::evaluate_function: ...``). DDP's wait for its last bucket (and its
+  copies from the buckets into ``.grad``) sit inside ``loss.backward()`` but after the last
+  node, so they count as exposed, as kiln's wait in ``reduce_gradients`` does. Both ranks'
+  hidden time over both ranks' communication time;
+- exposed ms/step: comm ms x (1 - hidden), the communication left outside backward;
+- ZeRO-2 / stage 0: ``kiln_zero2``'s samples/s over ``kiln_overlap``'s (goal: at least 0.95).
 
-The two sides alternate for ``ROUNDS`` rounds and the median round is kept, because other
-work on a small shared machine makes one round drift. 2 processes need 2 free cores.
+Every number is the median over ``ROUNDS`` rounds; the 1- and 2-process runs alternate, and
+the methods' order rotates from round to round, so that drift on a shared machine hits all
+alike. On 2 cores, gloo's worker thread competes with the other rank's compute for a core:
+communication "overlapped" with backward still takes cycles from it, so a high hidden share
+buys less here than on NCCL, where the same buckets run on the GPU's copy engines and network
+while the CPU and SMs compute. The JSON holds every round, the seconds per communication
+event name, the classes each method really ran and each method's losses (the methods train
+the same thing: the same losses to float32 rounding).
 
     kiln bench ddp            # or: kiln bench ddp --quick
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -35,10 +73,20 @@ from kiln.hardware import machine_info, machine_line
 # Shape legend: B batch (per rank), T sequence length, C width, V vocabulary.
 
 VIT = dict(name="vit", image_size=8, patch_size=2, dim=64, depth=4, heads=4, pool="mean")  # configs/digits_vit.py
-GPT = dict(vocab=256, seq_len=64, dim=128, depth=4, heads=4)
-BATCH = {"vit": 64, "gpt": 32}  # global batch per optimizer step
-STEPS, WARMUP, ROUNDS = 40, 5, 3
-QUICK_STEPS, QUICK_WARMUP, QUICK_ROUNDS = 2, 1, 1
+GPT = dict(vocab=256, seq_len=64, dim=128, depth=4, heads=4)  # 0.87 M parameters
+GPT_LARGE = dict(vocab=256, seq_len=64, dim=512, depth=8, heads=8)  # 25.5 M parameters: 100 MB of gradient
+MODELS = {"vit": VIT, "gpt": GPT, "gpt_large": GPT_LARGE}
+# global batch per optimizer step; the large GPT's is small so that its 100 MB all-reduce is a
+# large part of a step (B=2 x T=64 tokens per rank)
+BATCH = {"vit": 64, "gpt": 32, "gpt_large": 4}
+# (warm-up, timed, profiled) steps per model
+STEPS = {"vit": (5, 40, 3), "gpt": (5, 30, 3), "gpt_large": (2, 8, 2)}  # a full run: about 5 minutes on 2 cores
+ROUNDS = 3
+QUICK_MODELS = {"gpt_large": dict(GPT_LARGE, dim=64, depth=2, heads=4)}  # the others are tiny already
+QUICK_STEPS, QUICK_ROUNDS = (1, 2, 1), 1
+METHODS = ("torch_ddp", "kiln_sync", "kiln_overlap", "kiln_zero2")
+BASELINE = "kiln_sync"  # the method the 1-process run uses
+LR, WEIGHT_DECAY = 1e-3, 0.05  # both optimizers; betas and eps at their (equal) defaults
 
 
 class TinyGPT(nn.Module):
@@ -64,104 +112,218 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def _setup(model_name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
-    """Model (same initial weights on every rank), the train inputs/targets, and the loss."""
+def model_config(name: str, quick: bool) -> dict[str, Any]:
+    return QUICK_MODELS.get(name, MODELS[name]) if quick else MODELS[name]
+
+
+def build_model(name: str, quick: bool = False) -> nn.Module:
+    """Model ``name`` (on the current default device: ``torch.device("meta")`` counts parameters
+    without allocating them)."""
+    cfg = model_config(name, quick)
+    if name == "vit":
+        from kiln.models import create_model
+
+        return create_model(**cfg)
+    return TinyGPT(**cfg)
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V), (B*T,)
+
+
+def _setup(name: str, quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
+    """Model (the same initial weights on every rank and for every method), the train
+    inputs/targets, and the loss."""
     from kiln.data import build_dataset
 
     torch.manual_seed(0)
-    if model_name == "vit":
-        from kiln.models import create_model
-
-        model = create_model(**VIT)
+    model = build_model(name, quick)
+    if name == "vit":
         splits = build_dataset("digits", seed=0)
         return model, *splits.train.tensors, nn.functional.cross_entropy
-    model = TinyGPT(**GPT)
-    splits = build_dataset("synthetic_tokens", seed=0, seq_len=GPT["seq_len"], vocab_size=GPT["vocab"])
-
-    def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V), (B*T,)
-
-    return model, *splits.train.tensors, lm_loss
+    cfg = model_config(name, quick)
+    splits = build_dataset("synthetic_tokens", seed=0, seq_len=cfg["seq_len"], vocab_size=cfg["vocab"])
+    return model, *splits.train.tensors, _lm_loss
 
 
-def _worker(rank: int, world: int, model_names: tuple[str, ...], steps: int, warmup: int) -> dict[str, Any]:
-    # one process group for all models: starting processes costs more than a quick run's steps
-    return {name: _train_steps(rank, world, name, steps, warmup) for name in model_names}
-
-
-def _train_steps(rank: int, world: int, model_name: str, steps: int, warmup: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
+def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The module to call and the optimizer to step, as ``method`` trains."""
     import kiln.optim as ko
-    from kiln.parallel import all_reduce_gradients, broadcast_parameters
+    from kiln.parallel import ZeroOptimizer, broadcast_parameters
 
-    model, inputs, targets, loss_fn = _setup(model_name)
-    opt = ko.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    if method == "torch_ddp":
+        ddp = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights itself
+        return ddp, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    opt = ko.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     broadcast_parameters(model)
-    global_batch = BATCH[model_name]
+    if method == "kiln_sync":
+        return model, opt
+    return model, ZeroOptimizer(opt, stage=2 if method == "kiln_zero2" else 0, overlap=True)
+
+
+def _classes(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a method really ran, for the JSON (and the test that reads it)."""
+    def name(obj: Any) -> str:
+        return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+    inner = getattr(opt, "optimizer", opt)  # a ZeroOptimizer's kiln optimizer
+    return {"module": name(net), "optimizer": name(opt), "inner_optimizer": name(inner),
+            "fused": inner.defaults.get("fused"), "stage": getattr(opt, "stage", None)}
+
+
+# -- one method on one rank -------------------------------------------------------------------------
+def _worker(rank: int, world: int, names: tuple[str, ...], methods: tuple[str, ...], quick: bool) -> dict[str, Any]:
+    # one process group for every model and method: starting processes costs more than a quick run
+    out: dict[str, Any] = {}
+    for name in names:
+        out[name] = {}
+        for method in methods:
+            out[name][method] = _train(rank, world, name, method, quick)
+            gc.collect()  # the last method's model, gradients and state, before the next one is built
+    return out
+
+
+def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kiln.bench._profile import quiet_stderr
+    from kiln.parallel import all_reduce_gradients, sync_gradients
+
+    warmup, steps, profiled = QUICK_STEPS if quick else STEPS[name]
+    model, inputs, targets, loss_fn = _setup(name, quick)
+    n_params = sum(p.numel() for p in model.parameters())
+    net, opt = _wrap(method, model)
+    global_batch = BATCH[name]
     local = global_batch // world
     n = len(inputs) // global_batch
-    comm: list[float] = []
+    losses: list[torch.Tensor] = []
 
     def step(i: int) -> None:
         lo = (i % n) * global_batch + rank * local  # this rank's slice of the global batch
-        x, y = inputs[lo:lo + local], targets[lo:lo + local]
-        loss_fn(model(x), y).backward()
-        t0 = time.perf_counter()
-        all_reduce_gradients(opt)
-        comm.append(time.perf_counter() - t0)
+        loss = loss_fn(net(inputs[lo:lo + local]), targets[lo:lo + local])
+        # sync_gradients: with a ZeroOptimizer(overlap=True), buckets are reduced during this backward
+        with sync_gradients(opt, last=True), record_function("backward"):
+            loss.backward()
+        if method != "torch_ddp":  # DDP's reducer has averaged the gradients inside backward
+            all_reduce_gradients(opt)
         opt.step()
         opt.zero_grad()
+        losses.append(loss.detach())
 
     for i in range(warmup):
         step(i)
-    comm.clear()
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
     dist.barrier()  # the step ends when the slower rank is done
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "comm_ms": statistics.median(comm) * 1e3,
-            "n_params": sum(p.numel() for p in model.parameters())}
+
+    prof = None
+    if world > 1:
+        prof = profile(activities=[ProfilerActivity.CPU])
+        with quiet_stderr():
+            prof.start()
+        try:
+            for i in range(warmup + steps, warmup + steps + profiled):
+                step(i)
+        finally:
+            with quiet_stderr():
+                prof.stop()
+        dist.barrier()
+    return {"wall_s": wall, "n_params": n_params, "steps": steps, "classes": _classes(net, opt),
+            "losses": torch.stack(losses).tolist(), **(_comm(prof, profiled) if prof is not None else {})}
 
 
-def _measure(names: tuple[str, ...], steps: int, warmup: int, rounds: int) -> list[dict[str, Any]]:
+def _comm(prof: Any, steps: int) -> dict[str, Any]:
+    """This rank's communication per profiled step, and how much of it ran during backward."""
+    from kiln.bench._profile import comm_spans, intersection_seconds, span, union_seconds
+
+    events = prof.events()
+    comm, by_name = comm_spans(prof)
+    backward = [span(e) for e in events if e.name == "backward"]
+    nodes = [span(e) for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    # each backward's compute: from its start to the end of the last autograd node inside it
+    windows = [(a, max((e for s, e in nodes if a <= s <= b), default=a)) for a, b in backward]
+    return {"comm_ms_per_step": union_seconds(comm) / steps * 1e3,
+            "hidden_comm_ms_per_step": intersection_seconds(comm, windows) / steps * 1e3,
+            "backward_ms_per_step": sum(b - a for a, b in windows) / steps * 1e3,
+            "comm_ms_by_event": {k: v / steps * 1e3 for k, v in sorted(by_name.items())}}
+
+
+# -- rows, table, chart -------------------------------------------------------------------------------
+def _measure(names: tuple[str, ...], quick: bool, rounds: int) -> list[dict[str, Any]]:
     from kiln.parallel.testing import run_distributed
 
-    per_round: dict[str, dict[int, list[dict[str, Any]]]] = {name: {1: [], 2: []} for name in names}
-    for _ in range(rounds):
-        for world in (1, 2):  # alternate, so drift on the machine hits both sides alike
-            ranks = run_distributed(_worker, world, names, steps, warmup, threads=1)
-            for name in names:
-                mine = [r[name] for r in ranks]
-                per_round[name][world].append({"samples_per_s": BATCH[name] * steps / mine[0]["wall_s"],
-                                               "comm_ms": max(r["comm_ms"] for r in mine),
-                                               "n_params": mine[0]["n_params"]})
-    rows = []
-    for name in names:
-        runs, batch = per_round[name], BATCH[name]
-        one = statistics.median(r["samples_per_s"] for r in runs[1])
-        two = statistics.median(r["samples_per_s"] for r in runs[2])
-        rows.append({
-            "model": name, "n_params": runs[1][0]["n_params"], "global_batch": batch, "steps": steps,
-            "samples_per_s_1": one, "samples_per_s_2": two, "speedup": two / one, "efficiency": two / (2 * one),
-            "comm_ms_per_step": statistics.median(r["comm_ms"] for r in runs[2]),
-            "step_ms_1": batch / one * 1e3, "step_ms_2": batch / two * 1e3,
-            "rounds": {str(w): rs for w, rs in runs.items()},
-        })
-    return rows
+    one: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    two: dict[str, dict[str, list[dict[str, Any]]]] = {name: {m: [] for m in METHODS} for name in names}
+    for r in range(rounds):
+        # alternate 1 and 2 processes, and rotate the methods, so drift on the machine hits all alike
+        for name, res in run_distributed(_worker, 1, names, (BASELINE,), quick, threads=1)[0].items():
+            one[name].append(_per_round(name, [res[BASELINE]]))
+        order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
+        ranks = run_distributed(_worker, 2, names, order, quick, threads=1)
+        for name in names:
+            for m in METHODS:
+                two[name][m].append(_per_round(name, [rk[name][m] for rk in ranks]))
+    return [_row(name, one[name], two[name]) for name in names]
+
+
+def _per_round(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round of one method on one model, from its ranks' results."""
+    r0 = ranks[0]
+    out = {"samples_per_s": BATCH[name] * r0["steps"] / r0["wall_s"], "n_params": r0["n_params"],
+           "steps": r0["steps"], "classes": r0["classes"], "losses": r0["losses"]}
+    if "comm_ms_per_step" in r0:
+        comm = [r["comm_ms_per_step"] for r in ranks]
+        hidden = [r["hidden_comm_ms_per_step"] for r in ranks]
+        out.update(comm_ms_per_step=max(comm), hidden_share=sum(hidden) / sum(comm) if sum(comm) else 0.0,
+                   backward_ms_per_step=max(r["backward_ms_per_step"] for r in ranks),
+                   comm_ms_by_rank=comm, hidden_comm_ms_by_rank=hidden,
+                   comm_ms_by_event=r0["comm_ms_by_event"])
+    return out
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _row(name: str, one: list[dict[str, Any]], two: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    batch = BATCH[name]
+    base = _median(one, "samples_per_s")
+    methods = {}
+    for m, runs in two.items():
+        sps, comm, hidden = (_median(runs, k) for k in ("samples_per_s", "comm_ms_per_step", "hidden_share"))
+        methods[m] = {
+            "samples_per_s": sps, "step_ms": batch / sps * 1e3,
+            "speedup": sps / base, "efficiency": sps / (2 * base),
+            "comm_ms_per_step": comm, "hidden_share": hidden, "exposed_comm_ms_per_step": comm * (1 - hidden),
+            "backward_ms_per_step": _median(runs, "backward_ms_per_step"),
+            "classes": runs[0]["classes"], "losses": runs[0]["losses"], "rounds": runs,
+        }
+    ddp = methods["torch_ddp"]["samples_per_s"]
+    for m in methods.values():
+        m["vs_torch_ddp"] = m["samples_per_s"] / ddp
+    return {"model": name, "n_params": one[0]["n_params"], "global_batch": batch, "steps": one[0]["steps"],
+            "samples_per_s_1": base, "step_ms_1": batch / base * 1e3, "losses_1": one[0]["losses"],
+            "rounds_1": one, "methods": methods,
+            "zero2_vs_overlap": methods["kiln_zero2"]["samples_per_s"] / methods["kiln_overlap"]["samples_per_s"]}
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':>5} {'params':>8} {'batch':>5} | {'1x1 samples/s':>13} {'2x1 samples/s':>13} | "
-            f"{'speedup':>7} {'efficiency':>10} | {'step ms 1/2':>11} {'allreduce ms':>12}")
+    head = (f"{'model':>9} {'params':>7} {'batch':>5} | {'method':<12} {'samples/s':>9} {'vs DDP':>6} "
+            f"{'effic.':>6} | {'step ms':>7} {'comm ms':>7} {'hidden':>6} {'exposed ms':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['model']:>5} {r['n_params'] / 1e6:>7.2f}M {r['global_batch']:>5} | "
-                     f"{r['samples_per_s_1']:>13.0f} {r['samples_per_s_2']:>13.0f} | "
-                     f"{r['speedup']:>7.2f} {r['efficiency']:>10.2f} | "
-                     f"{r['step_ms_1']:>5.1f}/{r['step_ms_2']:<5.1f} {r['comm_ms_per_step']:>12.2f}")
+        lines.append(f"{r['model']:>9} {r['n_params'] / 1e6:>6.2f}M {r['global_batch']:>5} | {'1 process':<12} "
+                     f"{r['samples_per_s_1']:>9.0f} {'':>6} {'':>6} | {r['step_ms_1']:>7.1f}")
+        for name, m in r["methods"].items():
+            lines.append(f"{'':>9} {'':>7} {'':>5} | {name:<12} {m['samples_per_s']:>9.0f} "
+                         f"{m['vs_torch_ddp']:>6.2f} {m['efficiency']:>6.2f} | {m['step_ms']:>7.1f} "
+                         f"{m['comm_ms_per_step']:>7.1f} {m['hidden_share']:>6.0%} "
+                         f"{m['exposed_comm_ms_per_step']:>10.1f}")
+        lines.append(f"{'':>9} {'':>7} {'':>5} | ZeRO-2 / stage 0: {r['zero2_vs_overlap']:.2f} (goal >= 0.95)")
     return "\n".join(lines)
 
 
@@ -169,48 +331,49 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     from kiln._plotting import pyplot
 
     plt = pyplot()
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4))
-    names = [r["model"] for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["samples_per_s_1"] for r in rows], 0.4, label="1 process x 1 thread")
-    ax.bar([x + 0.2 for x in xs], [r["samples_per_s_2"] for r in rows], 0.4, label="2 processes x 1 thread")
-    ax.scatter([x + 0.2 for x in xs], [2 * r["samples_per_s_1"] for r in rows], color="k", marker="_", s=400,
-               zorder=3, label="perfect scaling")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("samples/s")
-    ax.legend(fontsize=8)
-    ax.set_title("throughput, same global batch")
-    comp = [r["step_ms_2"] - r["comm_ms_per_step"] for r in rows]
-    ax2.bar(names, comp, label="compute + optimizer")
-    ax2.bar(names, [r["comm_ms_per_step"] for r in rows], bottom=comp, label="all_reduce_gradients")
-    ax2.set_ylabel("ms per step, 2 processes")
-    ax2.legend(fontsize=8)
-    ax2.set_title("where a 2-process step goes")
+    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 4), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        names = list(r["methods"])
+        comm = [r["methods"][m]["comm_ms_per_step"] for m in names]
+        hidden = [r["methods"][m]["hidden_share"] for m in names]
+        bars = ax.bar(names, [r["methods"][m]["samples_per_s"] for m in names], color="C1")
+        for bar, c, h in zip(bars, comm, hidden):
+            ax.annotate(f"comm {c:.0f} ms\n{h:.0%} hidden", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.axhline(2 * r["samples_per_s_1"], color="k", lw=1, ls="--", label="perfect scaling of 1 process")
+        ax.axhline(r["samples_per_s_1"], color="grey", lw=1, label="1 process")
+        ax.set_title(f"{r['model']} ({r['n_params'] / 1e6:.1f} M params, batch {r['global_batch']})", fontsize=9)
+        ax.set_ylabel("samples/s, 2 processes x 1 thread")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.margins(y=0.2)
+    axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    import os
-
-    steps, warmup, rounds = (QUICK_STEPS, QUICK_WARMUP, QUICK_ROUNDS) if quick else (STEPS, WARMUP, ROUNDS)
+    rounds = QUICK_ROUNDS if quick else ROUNDS
     load_before = os.getloadavg()[0]
-    rows = _measure(("vit", "gpt"), steps, warmup, rounds)
+    t0 = time.perf_counter()
+    rows = _measure(tuple(MODELS), quick, rounds)
     # 2 processes x 1 thread only scale when 2 cores are free: a 1-minute load average above
     # (cores - 2) while measuring means other work took cores from the 2-process side.
     machine = {**machine_info(), "threads": 1,  # per process
                "cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
-               "load_1min_after": os.getloadavg()[0]}
-    report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW",
-                        "steps": steps, "warmup": warmup, "rounds": rounds, "vit": VIT, "gpt": GPT},
+               "load_1min_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0}
+    report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "backend": "gloo", "methods": list(METHODS),
+                        "baseline_1_process": BASELINE, "lr": LR, "weight_decay": WEIGHT_DECAY, "rounds": rounds,
+                        "steps": {name: dict(zip(("warmup", "timed", "profiled"),
+                                                 QUICK_STEPS if quick else STEPS[name])) for name in MODELS},
+                        "batch": BATCH, "models": {name: model_config(name, quick) for name in MODELS}},
               "machine": machine, "rows": rows}
     table = _table(rows)
     print(f"kiln bench ddp on {machine_line(machine)} per process")
     print(table)
     print(f"machine: {machine['cpus']} cpus, 1-min load average {load_before:.1f} before, "
-          f"{machine['load_1min_after']:.1f} after (other work competes with the 2 processes when it is high)")
+          f"{machine['load_1min_after']:.1f} after (other work competes with the 2 processes when it is high); "
+          f"{machine['seconds']:.0f} s")
     (out_dir / "ddp.json").write_text(json.dumps(report, indent=2))
     (out_dir / "ddp.txt").write_text(table + "\n")
     _plot(rows, out_dir / "ddp.png")

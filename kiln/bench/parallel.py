@@ -68,19 +68,18 @@ below ``(p-1)/(m+p-1)``. Linux only (RSS from ``/proc/self``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kiln.bench._profile import comm_seconds, quiet_stderr
 from kiln.bench._rss import Rss
 from kiln.hardware import machine_info, machine_line
 
@@ -95,7 +94,6 @@ STEPS, WARMUP, PROFILED = 5, 2, 2  # warm-up: the first step of a pipeline also 
 QUICK_MODEL = dict(MODEL, seq_len=32, depth=4)  # 3.3 M parameters (GPT), far fewer tokens per step
 QUICK_BATCH = 8
 QUICK_STEPS, QUICK_WARMUP, QUICK_PROFILED = 2, 1, 1
-_COMM_PREFIXES = ("c10d::", "gloo:", "_c10d_functional::", "nccl:")
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -122,42 +120,6 @@ def _state_bytes(params: list[torch.Tensor], opt: Any) -> dict[str, int]:
     arena or multi-tensor mode: arena buffers counted once, padding included)."""
     grads = [p.grad for p in params if p.grad is not None] + [a.grad for a in opt.arenas]
     return {"param_bytes": _held(params), "grad_bytes": _held(grads), "optim_bytes": opt.state_bytes()}
-
-
-# -- communication time -----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    # kineto prints two "USDT: ... profiler_start/stop" lines per profile to fd 2 from C++
-    # (no switch turns them off); one run of this benchmark would print hundreds
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _union_seconds(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def _comm_seconds(prof: Any) -> tuple[float, dict[str, float]]:
-    """Seconds during which any communication event was running on this rank (union over
-    threads), and the summed seconds per event name (for the JSON)."""
-    spans, by_name = [], {}
-    for e in prof.events():
-        if e.name.startswith(_COMM_PREFIXES):
-            a, b = e.time_range.start / 1e6, e.time_range.end / 1e6  # microseconds
-            spans.append((a, b))
-            by_name[e.name] = by_name.get(e.name, 0.0) + (b - a)
-    return _union_seconds(spans), by_name
 
 
 # -- one model on one rank --------------------------------------------------------------------------
@@ -263,7 +225,7 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
     clock.append(time.perf_counter())
 
     prof = profile(activities=[ProfilerActivity.CPU])
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.start()
     try:
         t1 = time.perf_counter()
@@ -272,9 +234,9 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
             opt.zero_grad()
         profiled_wall = time.perf_counter() - t1
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.stop()
-    comm, comm_by_name = _comm_seconds(prof)
+    comm, comm_by_name = comm_seconds(prof)
     dist.barrier()
     clock.append(time.perf_counter())
 
