@@ -53,8 +53,8 @@ initial weights, same data order) with the config's onecycle schedule, and evalu
   points lower on one run).
 
 The other columns name the row's config: precision, pool, token layout, optimizer
-(``optim.impl``), ZeRO stage, compile, global batch. A 1-min load average above what 2
-processes leave free is reported under the table: other work then shared the cores.
+(``optim.impl``), ZeRO stage, compile, global batch. A 1-min load average above the bench's
+own 2 processes (by more than 0.5) is reported under the table: other work then shared the cores.
 
 2 processes (``--nproc 2``: gloo on 127.0.0.1, each joining from the environment as torchrun's
 workers do) x 1 intra-op thread (``train.threads=1``). On a CPU without native bf16 (see the
@@ -206,7 +206,7 @@ def _measure(table: list[dict[str, Any]], quick: bool) -> list[list[dict[str, An
     ports = [free_port() for _ in range(len(table) + 1)]  # one a row, one for the warm-up
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(NPROC, table, ports, quick, out_dir), nprocs=NPROC, join=True)
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(NPROC)]
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(NPROC)]
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -224,7 +224,8 @@ def _table_text(report: dict[str, Any]) -> str:
             f"{k['model.pool']:<4} {'B,N,D' if k['model.batch_first'] else 'N,B,D':<6} {k['optim.impl']:<13} "
             f"{k['parallel.zero']:>4} {'yes' if k['train.compile'] else 'no':>7} {k['data.batch_size']:>5}")
     load = [report["machine"]["load_1min_before"], *(r["load_1min_after"] for r in report["rows"])]
-    if max(load) > report["machine"]["cpu_count"] - NPROC + 0.5:
+    # the bench's own NPROC processes make a load of about NPROC; more means other work
+    if max(load) > min(NPROC, report["machine"]["cpu_count"]) + 0.5:
         lines.append(f"note: 1-min load average {min(load):.1f}-{max(load):.1f} during the rows on "
                      f"{report['machine']['cpu_count']} cores: other work shared the cores, so the samples/s "
                      "ratios are noisy; rerun on an idle machine")
