@@ -123,17 +123,21 @@ def _held_shape(model: Modules) -> Any:
     return lambda fqn, shape: tuple(shape)
 
 
-def _as_held(held: Any, fqn: str, t: Any) -> Any:
+def _as_held(held: Any, fqn: str, t: Any, target: bool = False) -> Any:
     """``t`` in its held shape: a view (the same storage: loading into the view fills ``t``),
     or, for a DTensor whose shards are not boxes of that shape (FSDP2's Shard(0) of GPT-2's
-    (3C,) q/k/v bias seen as (3, C)), the whole tensor gathered (a collective; small tensors
-    only: a held shape regroups one fused projection). :func:`_back_to` puts a loaded one back."""
+    (3C,) q/k/v bias seen as (3, C)), the whole tensor: gathered to be saved (a collective;
+    small tensors only: a held shape regroups one fused projection), or, as a ``target`` to
+    load into, an empty one of the whole shape (nothing to gather: the read fills it).
+    :func:`_back_to` puts a loaded one back."""
     if not torch.is_tensor(t):
         return t
     shape = held(fqn, tuple(t.shape))
     if shape == tuple(t.shape):
         return t
     if isinstance(t, DTensor) and not _shards_are_boxes(t, shape):
+        if target:
+            return torch.empty(shape, dtype=t.dtype, device=t.to_local().device)
         return t.full_tensor().view(shape)
     return t.view(shape)
 
@@ -498,7 +502,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     saved = reader.read_metadata().state_dict_metadata
     states = [get_model_state_dict(m) for m in _modules(model)]
     held = _held_shape(model)
-    targets: dict[str, Any] = {_MODEL + k: _as_held(held, k, v) for sd in states for k, v in sd.items()}
+    targets: dict[str, Any] = {_MODEL + k: _as_held(held, k, v, target=True) for sd in states for k, v in sd.items()}
     targets.update({_MASTER + k: v for k, v in (masters or {}).items()})
     missing = [k for k in targets if k not in saved]
     if missing and strict:
@@ -529,7 +533,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                     continue
                 if size == held_p:
                     st[k] = torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor p
-                    targets[key] = _as_held(held, fqn, st[k])
+                    targets[key] = _as_held(held, fqn, st[k], target=True)
                     put_back.append((st, k, key))
                     continue
                 st[k] = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
