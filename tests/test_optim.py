@@ -16,6 +16,7 @@ import torch.nn.functional as F
 os.environ.setdefault("KILN_OPTIM_EAGER", "1")  # the compiled path has its own test below
 
 import kiln.optim as ko  # noqa: E402
+from kiln.optim import _rules  # noqa: E402
 
 
 
@@ -142,12 +143,17 @@ def _groups_ref(model):
             (list(p for p in model.parameters() if p.ndim <= 1), 0.0)]
 
 
-@pytest.mark.parametrize("contiguous", [True, False])
+# LAMB and LARS implementations: the arena's eager rule, the arena's native CPU kernels
+# (kiln.optim._native; compile=True on CPU), per-parameter lists
+IMPLS = {"arena": dict(compile=False), "native": dict(compile=True), "lists": dict(contiguous=False)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_lamb_matches_paper_reference(contiguous, clip):
+def test_lamb_matches_paper_reference(impl, clip):
     m1, m2 = make_model(), make_model()
     lr, wd = 1e-3, 0.1
-    opt = ko.LAMB(two_groups(m2, lr=lr / 2), lr=lr, weight_decay=wd, trust_clip=clip, contiguous=contiguous)
+    opt = ko.LAMB(two_groups(m2, lr=lr / 2), lr=lr, weight_decay=wd, trust_clip=clip, **IMPLS[impl])
     train(m2, opt, 100)
     states = [{}, {}]
     for t in range(1, 101):
@@ -161,13 +167,13 @@ def test_lamb_matches_paper_reference(contiguous, clip):
     assert max_rel(m1, m2) < 1e-6
 
 
-@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_lars_matches_reference(contiguous, nesterov):
+def test_lars_matches_reference(impl, nesterov):
     m1, m2 = make_model(), make_model()
     lr, wd = 0.5, 0.01
     groups = [{"params": list(m2.parameters())[:3]}, {"params": list(m2.parameters())[3:], "lr": lr / 2}]
-    opt = ko.LARS(groups, lr=lr, weight_decay=wd, nesterov=nesterov, contiguous=contiguous)
+    opt = ko.LARS(groups, lr=lr, weight_decay=wd, nesterov=nesterov, **IMPLS[impl])
     train(m2, opt, 100)
     bufs = [{}, {}]
     ps = list(m1.parameters())
@@ -179,6 +185,106 @@ def test_lars_matches_reference(contiguous, nesterov):
             for k, (sub, lrk) in enumerate([(ps[:3], lr), (ps[3:], lr / 2)]):
                 _ref_lars(sub, [p.grad for p in sub], bufs[k], lrk, 0.9, wd, 0.001, nesterov)
     assert max_rel(m1, m2) < 1e-6
+
+
+def _lamb_rows_reference(p, g, m, v, seg_rows, blk, hp):
+    """LAMB by _rules over rows of blk elements, seg_rows rows per tensor: (new w, u, ratios);
+    m and v are updated in place."""
+    b1, b2, c1, c2, eps, wd, bc1, bc2, lr, clip = hp.tolist()
+    u = _rules.lamb_direction(p, g, m, v, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, bc1=bc1, bc2=bc2,
+                              c1=c1, c2=c2)
+    sizes = [r * blk for r in seg_rows]
+    norms = [torch.stack([part.norm() for part in t.split(sizes)]) for t in (p, u)]
+    r = _rules.trust_ratio(*norms, clip=None if clip < 0 else clip)
+    return p - lr * torch.repeat_interleave(r, torch.tensor(sizes)) * u, u, r
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # torch's lerp has a branch at weight 0.5
+@pytest.mark.parametrize("clip", [-1.0, 0.8])
+def test_native_lamb_kernel_every_mode_on_rows_with_short_tails(beta1, clip):
+    """The native kernel on rows of 13 elements (no multiple of any vector width, so every row
+    ends in a short tail) and tensors of 2, 1, 0 and 3 rows, one of them zero: the whole step
+    with u kept, with u recomputed (a group longer than the buffer) and in one group, and a
+    shard's two passes apart, each equal to _rules' LAMB in float64 to 1e-13."""
+    from kiln.optim import _native
+
+    blk, seg_rows = 13, [2, 1, 0, 3]
+    n, B, S = blk * sum(seg_rows), sum(seg_rows), len(seg_rows)
+    gen = torch.Generator().manual_seed(0)
+    p0, g, m0 = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(3))
+    v0 = torch.rand(n, generator=gen, dtype=torch.float64)
+    p0[2 * blk:3 * blk] = 0.0  # a zero tensor: ratio 1
+    hp = torch.tensor([beta1, 0.99, 1 - beta1, 1 - 0.99, 1e-6, 0.05, 1 - beta1 ** 3, 1 - 0.99 ** 3, 1e-2, clip],
+                      dtype=torch.float64)
+    rows = torch.tensor(seg_rows)
+    kernel = _native.kernel("lamb", p0)
+    assert kernel is not None
+    mr, vr = m0.clone(), v0.clone()
+    want, u, r = _lamb_rows_reference(p0.clone(), g, mr, vr, seg_rows, blk, hp)
+    assert 0.0 < r.min() < r.max() and r[1] == 1.0
+    for name, cap, group in [("kept", 64, 30), ("recomputed", 10, 30), ("one group", n, n)]:
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        sq, ub = (torch.empty(k, dtype=torch.float64) for k in (2 * B, cap))
+        kernel(p, g, m, v, sq, ub, hp, rows, S, B, blk, group, cap, 0, 2)
+        for got, ref in ((p, want), (m, mr), (v, vr)):
+            assert torch.allclose(got, ref, rtol=1e-13, atol=1e-15), name
+    # a shard: pass A (sums of squares per row), the ratios from them, pass B
+    p, m, v = p0.clone(), m0.clone(), v0.clone()
+    sq, ub = torch.empty(2 * B, dtype=torch.float64), torch.empty(1, dtype=torch.float64)
+    kernel(p, g, m, v, sq, ub, hp, rows, S, B, blk, 0, 0, 1, 2)
+    assert torch.equal(p, p0) and torch.allclose(m, mr, rtol=1e-15) and torch.allclose(v, vr, rtol=1e-15)
+    assert torch.allclose(sq[:B], p0.view(B, blk).square().sum(1), rtol=1e-14)
+    assert torch.allclose(sq[B:], u.view(B, blk).square().sum(1), rtol=1e-13)
+    sq[:B] = -1e-2 * torch.repeat_interleave(r, rows)
+    kernel(p, g, m, v, sq, ub, hp, rows, S, B, blk, 0, 0, 2, 2)
+    assert torch.allclose(p, want, rtol=1e-13, atol=1e-15)
+
+
+def test_native_lamb_keeps_no_arena_sized_scratch_and_lars_none():
+    """The native LAMB keeps u for one cache-sized group of tensors, not for the arena: its
+    state is m and v plus that buffer, against m, v and a whole-arena u eagerly; LARS's native
+    kernels recompute the direction and keep no buffer at all."""
+    from kiln.optim._optimizers import _LAMB_GROUP
+
+    sizes = {}
+    for impl in ("arena", "native"):
+        m = make_model()
+        opt = ko.LAMB(m.parameters(), lr=1e-3, **IMPLS[impl])
+        train(m, opt, 2)
+        sizes[impl] = opt.state_bytes()
+    arena = opt.arenas[0].param.numel() * 4
+    assert sizes["arena"] == 3 * arena
+    assert sizes["native"] == 2 * arena + _LAMB_GROUP  # the model is smaller than one group
+    m = make_model()
+    opt = ko.LARS(m.parameters(), lr=0.1, weight_decay=1e-4, compile=True)
+    train(m, opt, 2)
+    assert opt.state_bytes() == opt.arenas[0].param.numel() * 4  # the momentum buffer alone
+
+
+def test_native_kernels_that_cannot_be_built_warn_once_and_fall_back(monkeypatch):
+    """Without a compiler (the build raises) LAMB and LARS warn once, naming the cause and
+    the fix, and step exactly as the eager rule does."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    from kiln.optim import _native, _optimizers
+
+    def broken(*a, **k):
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(_native, "_BUILT", {})
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", broken)
+    monkeypatch.setattr(_optimizers, "_kernel", lambda fn, compiled: fn)  # no torch.compile either
+    for cls, kw in [(ko.LAMB, dict(lr=1e-2, weight_decay=0.1)), (ko.LARS, dict(lr=0.5, weight_decay=0.01))]:
+        m1, m2 = make_model(), make_model()
+        o1 = cls(m1.parameters(), compile=False, **kw)
+        o2 = cls(m2.parameters(), compile=True, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(m1, o1, 3)
+            train(m2, o2, 3)
+        msgs = [str(w.message) for w in caught if "native" in str(w.message)]
+        assert len(msgs) == 1 and "g++: not found" in msgs[0] and "C++ compiler" in msgs[0], msgs
+        assert max_rel(m1, m2) == 0.0
 
 
 def test_lamb_trust_ratio_is_per_tensor_not_global():
@@ -202,7 +308,12 @@ def test_lars_zero_norm_gives_ratio_one():
 
 
 @pytest.mark.slow
-def test_compiled_lamb_and_lars_match_eager_and_do_not_recompile_on_lr_change():
+def test_compiled_lamb_and_lars_match_eager_and_do_not_recompile_on_lr_change(monkeypatch):
+    """torch.compile's kernels: what LAMB and LARS run where no native kernel serves (CUDA,
+    16-bit arenas, or no C++ compiler), forced here on CPU."""
+    from kiln.optim import _native
+
+    monkeypatch.setattr(_native, "kernel", lambda name, like: None)
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 

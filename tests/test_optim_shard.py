@@ -28,6 +28,9 @@ OPTS = {
     "lars": lambda gs, w: ko.LARS(gs, lr=0.5, weight_decay=1e-2, compile=False, shard_multiple=w),
     "lars-nesterov": lambda gs, w: ko.LARS(gs, lr=0.5, weight_decay=1e-2, nesterov=True, compile=False,
                                            shard_multiple=w),
+    # the native CPU kernels (kiln.optim._native): a shard's LAMB runs its two passes apart
+    "lamb-native": lambda gs, w: ko.LAMB(gs, lr=1e-2, weight_decay=0.1, compile=True, shard_multiple=w),
+    "lars-native": lambda gs, w: ko.LARS(gs, lr=0.5, weight_decay=1e-2, compile=True, shard_multiple=w),
 }
 
 
@@ -211,7 +214,7 @@ def test_differing_step_counts_and_a_full_state_dict(order):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", ["lamb", "lars", "lars-nesterov"])
+@pytest.mark.parametrize("name", ["lamb", "lars", "lars-nesterov", "lamb-native", "lars-native"])
 def test_lamb_and_lars_shards_sum_norms_like_the_paper(name, world):
     """fp64 with a frozen tensor: every tensor's trust ratio comes from norms summed over the
     shards (a rank whose shard a run misses still joins the sum); the gathered parameters
@@ -222,11 +225,11 @@ def test_lamb_and_lars_shards_sum_norms_like_the_paper(name, world):
     state: list[dict] = [{}, {}]
     for step in range(STEPS):
         grads = _grads(ranks[0][0], step)
-        for gi, (lr, wd) in enumerate([(1e-2 if name == "lamb" else 0.5, 0.1 if name == "lamb" else 1e-2),
-                                       (5e-3, 0.0)]):
+        lamb = name.startswith("lamb")
+        for gi, (lr, wd) in enumerate([(1e-2 if lamb else 0.5, 0.1 if lamb else 1e-2), (5e-3, 0.0)]):
             ks = [k for k in trainable if k % 2 == gi]
             ws, gs = [ref_ps[k] for k in ks], [grads[k] for k in ks]
-            if name == "lamb":
+            if lamb:
                 _ref_lamb(ws, gs, state[gi], lr, 0.9, 0.999, 1e-6, wd, step + 1)
             else:
                 _ref_lars(ws, gs, state[gi], lr, 0.9, wd, 0.001, name == "lars-nesterov")

@@ -95,11 +95,14 @@ def _torch_impl(group: dict[str, Any]) -> bool:
     return bool(group.get("capturable") or group.get("differentiable"))
 
 
+def _compiling(compiled: bool | None) -> bool:
+    """An optimizer's ``compile`` flag resolved: None means yes unless KILN_OPTIM_EAGER is set."""
+    return os.environ.get(_EAGER_ENV, "0") in ("", "0") if compiled is None else bool(compiled)
+
+
 def _kernel(fn: Callable, compiled: bool | None) -> Callable:
     """fn itself, or fn compiled once per process (dynamic shapes: one graph for every size)."""
-    if compiled is None:
-        compiled = os.environ.get(_EAGER_ENV, "0") in ("", "0")
-    if not compiled:
+    if not _compiling(compiled):
         return fn
     key = f"{fn.__module__}.{fn.__qualname__}"
     if key not in _COMPILED:

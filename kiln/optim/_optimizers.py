@@ -5,13 +5,16 @@ Fast paths with ``contiguous=True``:
 - SGD, Adam, AdamW: torch's fused CPU/CUDA kernels (``torch._fused_sgd_``,
   ``torch._fused_adam_``, ``torch._fused_adamw_``) called on the one flat tensor of each
   arena: the same math as torch.optim, one kernel, no per-parameter launch.
-- LAMB, LARS: the elementwise part of the rule runs as one ``torch.compile``d kernel
-  over the flat buffer (hyperparameters in a 0-d tensor vector, so a schedule never
-  recompiles). Per-tensor norms and per-tensor factors never loop over tensors: the flat range
-  is viewed as (B, blk) rows, blk dividing every tensor's padded length, so the norms are one
-  row reduction per buffer plus one segment sum, and a per-tensor factor is a (B, 1) column
-  that one broadcasting kernel applies (see ``_segments``). Set ``KILN_OPTIM_EAGER=1`` or pass
-  ``compile=False`` to run the same rule eagerly (no 15-20 s first compile on CPU).
+- LAMB, LARS: per-tensor norms and factors never loop over tensors: the flat range is viewed
+  as (B, blk) rows, blk dividing every tensor's padded length, so a tensor's norm is a sum
+  over its rows and its factor one value per row (see ``_segments``). On CPU (fp32, fp64) the
+  passes are hand-written kernels (``kiln.optim._native``, built on first use by the C++
+  toolchain torch.compile uses): LAMB's whole step is one call that takes the tensors in
+  cache-sized groups, so it moves AdamW's 7 element passes, not 10; LARS is two passes (its
+  norms, then the update). Elsewhere (CUDA, 16-bit arenas, no compiler) the elementwise rule
+  is one ``torch.compile``d kernel (hyperparameters in a tensor, so a schedule never
+  recompiles) plus row norms and one segment sum. Set ``KILN_OPTIM_EAGER=1`` or pass
+  ``compile=False`` to run the same rule eagerly (nothing to build).
 
 With ``contiguous=False`` (per-parameter lists, for FSDP2 / DTensor parameters) SGD, Adam
 and AdamW call the same fused kernels on the lists (one launch per step, per-tensor step
@@ -38,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Mapping, NamedTuple
 
@@ -46,8 +50,9 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _to_scalar
 from torch.optim.sgd import sgd as _torch_sgd
 
-from kiln.optim import _rules
-from kiln.optim._base import ArenaOptimizer, _as_real, _flat_args, _kernel, _norm_dtype, _Pack
+from kiln.optim import _native, _rules
+from kiln.optim._base import (ArenaOptimizer, _as_real, _compiling, _flat_args, _kernel, _norm_dtype,
+                              _Pack)
 
 __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 
@@ -307,6 +312,12 @@ def _lars_mom_kernel(p, g, buf, wd, q, hp, nesterov: bool):
     _rules.momentum_update(p, d * q, buf, lr=hp[0], momentum=hp[1], nesterov=nesterov)
 
 
+# The native LAMB step (see _native) takes tensors in groups of about _LAMB_GROUP bytes per
+# buffer (w, g, m, v and u of a group stay in a 1 MiB L2 cache), and keeps u for groups up to
+# _LAMB_KEEP bytes (a 4 MiB tensor's five buffers in a 32 MiB L3); longer ones recompute u.
+_LAMB_GROUP = 1 << 19
+_LAMB_KEEP = 1 << 22
+
 # Elements per chunk of a per-tensor-norm update: the direction of a chunk is computed and its
 # block norms taken while the chunk is still in cache (1 << 19 fp32 = 2 MiB per buffer).
 _CHUNK = 1 << 19
@@ -321,8 +332,9 @@ class _Segments(NamedTuple):
     blk: int
     rows: torch.Tensor      # (2*(j-i),) int64: blocks per segment, twice (two buffers' norms)
     row_seg: torch.Tensor   # (B,) int64: the segment of each block, 0-based from i
-    sq: torch.Tensor        # (2*B,) the two buffers' block norms, then their squares
+    sq: torch.Tensor        # (2*B,) the two buffers' row sums of squares
     chunks: list[tuple[int, int]]  # row ranges [a, b) of about _CHUNK elements
+    longest: int            # elements of the longest segment
 
 
 def _segments(pack: _Pack, i: int, j: int) -> _Segments:
@@ -337,23 +349,26 @@ def _segments(pack: _Pack, i: int, j: int) -> _Segments:
         per = max(1, _CHUNK // blk)
         sq = torch.empty(2 * nb, dtype=_norm_dtype(pack.arena.dtype), device=dev)
         seg = pack.cache[key] = _Segments(blk, rows.repeat(2).to(dev), row_seg.to(dev), sq,
-                                          [(a, min(a + per, nb)) for a in range(0, nb, per)])
+                                          [(a, min(a + per, nb)) for a in range(0, nb, per)], max(lengths))
     return seg
 
 
-def _block_norms(seg: _Segments, a: int, b: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Norms of rows a..b-1 of x and y, (b - a, blk) each, into seg.sq (x's, then y's)."""
+def _block_sumsq(seg: _Segments, a: int, b: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Sums of squares of rows a..b-1 of x and y, (b - a, blk) each, into seg.sq (x's, then
+    y's): eager row norms, squared (what the native kernels compute in their one pass)."""
     nb = len(seg.row_seg)
-    torch.linalg.vector_norm(x, dim=1, dtype=seg.sq.dtype, out=seg.sq[a:b])
-    torch.linalg.vector_norm(y, dim=1, dtype=seg.sq.dtype, out=seg.sq[nb + a:nb + b])
+    for lo, t in ((a, x), (nb + a, y)):
+        out = seg.sq[lo:lo + b - a]
+        torch.linalg.vector_norm(t, dim=1, dtype=seg.sq.dtype, out=out)
+        out.square_()
 
 
 def _segment_norms(pack: _Pack, i: int, j: int, seg: _Segments) -> torch.Tensor:
-    """(2*(j-i),) per-segment L2 norms of the two buffers whose block norms are in seg.sq: one
-    segment sum of the blocks' squares (padding is zero and adds nothing). Completed by
+    """(2*(j-i),) per-segment L2 norms of the two buffers whose row sums of squares are in
+    seg.sq: one segment sum of the blocks' (padding is zero and adds nothing). Completed by
     ``pack.norm_reduce`` when pack covers only part of each tensor (a shard)."""
     # unsafe: the lengths are ours and valid (the checks cost more than the sum here)
-    norms = torch.segment_reduce(seg.sq.square_(), "sum", lengths=seg.rows, unsafe=True).sqrt_()
+    norms = torch.segment_reduce(seg.sq, "sum", lengths=seg.rows, unsafe=True).sqrt_()
     return norms if pack.norm_reduce is None else pack.norm_reduce(i, j, norms)
 
 
@@ -372,12 +387,14 @@ class LAMB(ArenaOptimizer):
         r = ||w|| / ||u||   (1 if either norm is 0; ||w|| capped at trust_clip if given)
         w = w - lr * r * u
 
-    Norms are per tensor, never over the whole buffer. With ``contiguous=True`` the
-    elementwise part is one compiled kernel (``compile=False`` or ``KILN_OPTIM_EAGER=1``
-    runs it eagerly) that writes the direction u to a scratch buffer the size of the arena;
-    a step moves 12 element passes (kernel: read w, g, m, v, write m, v, u; norms: read w, u;
-    update: read w, u, write w) against AdamW's 7, and no schedule can go below 10 (the trust
-    ratio needs all of u before any of w can move).
+    Norms are per tensor, never over the whole buffer. With ``contiguous=True`` on CPU the
+    step is one native kernel (``compile=False`` or ``KILN_OPTIM_EAGER=1`` runs the eager rule
+    instead): per group of tensors that fits in cache it updates m and v, keeps u, sums the
+    squares, takes the ratios and moves w while the group is still in cache: AdamW's 7 element
+    passes over memory (a group too long for the 4 MiB buffer recomputes u: 10), where the trust
+    ratio forces any schedule over the whole arena to at least 10. A ZeRO shard runs the two
+    passes apart, its norms summed across ranks between them. Elsewhere a compiled kernel
+    writes u to a scratch buffer the size of the arena (12 passes).
     """
 
     config_name = "lamb"
@@ -399,23 +416,48 @@ class LAMB(ArenaOptimizer):
 
     def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
         p, g, m, v = _flat_args(pack, i, j, "exp_avg", "exp_avg_sq")
-        lo, hi = pack.arena.segment_range(i, j)
-        u = self._scratch(pack)[lo:hi]
         b1, b2 = group["betas"]
-        hp = _hp([b1, b2, 1 - b1, 1 - b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step], p)
-        _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, hp)
-        # Per-tensor norms as passes over the flat range, viewed as (B, blk) rows that never
-        # straddle two tensors: block norms then one segment sum; the scaled update one addcmul_
-        # with the ratio as a (B, 1) column (see _segments): no per-tensor kernel. On 192 tensors
-        # / 2.4 M (CPU) this replaced a _foreach_norm over 384 views and a _foreach_addcmul_ with
-        # 192 0-d ratios (a broadcasting kernel each). Chunking the kernel to take the norms while
-        # a chunk is in cache (as LARS does) was slower: a compiled call costs ~0.3 ms of CPU.
+        hyper = [b1, b2, 1 - b1, 1 - b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step]
         seg = _segments(pack, i, j)
-        P, U = p.view(-1, seg.blk), u.view(-1, seg.blk)
-        _block_norms(seg, 0, len(seg.row_seg), P, U)
+        nb, blk = len(seg.row_seg), seg.blk
+        native = _native.kernel("lamb", p) if _compiling(self.compile) else None
+        if native is not None:
+            clip = group["trust_clip"]
+            hp = _hp(hyper + [group["lr"], -1.0 if clip is None else clip], p)
+            # one call per step where the norms are whole here (the rest of the step, ratios
+            # included, in the kernel: see _native); a shard's sums are completed across ranks
+            # between the two passes
+            ub = self._lamb_buffer(pack, seg)
+            run = functools.partial(native, p, g, m, v, seg.sq, ub, hp, seg.rows, j - i, nb, blk,
+                                    _LAMB_GROUP // p.element_size(), ub.numel())
+            if pack.norm_reduce is None:
+                run(0, torch.get_num_threads())
+                return
+            run(1, torch.get_num_threads())
+        else:  # u into the scratch buffer, then its row norms and w's
+            lo, hi = pack.arena.segment_range(i, j)
+            u = self._scratch(pack)[lo:hi]
+            _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, _hp(hyper, p))
+            _block_sumsq(seg, 0, nb, p.view(-1, blk), u.view(-1, blk))
+        # Per-tensor norms from rows that never straddle two tensors: one segment sum; the
+        # update one pass with the ratio per row (see _segments): no per-tensor kernel.
         norms = _segment_norms(pack, i, j, seg)
         r = _rules.trust_ratio(norms[:j - i], norms[j - i:], clip=group["trust_clip"])
-        P.addcmul_(U, _column(r, seg, p.dtype), value=-group["lr"])
+        if native is not None:  # the coefficient of each row into seg.sq, u recomputed
+            torch.index_select(r * -group["lr"], 0, seg.row_seg, out=seg.sq[:nb])
+            run(2, torch.get_num_threads())
+        else:
+            p.view(-1, blk).addcmul_(u.view(-1, blk), _column(r, seg, p.dtype), value=-group["lr"])
+
+    @staticmethod
+    def _lamb_buffer(pack: _Pack, seg: _Segments) -> torch.Tensor:
+        """The native kernel's buffer for u: one group of tensors long (up to _LAMB_KEEP bytes;
+        a longer group recomputes u), kept as the pack's scratch."""
+        size = pack.arena.param.element_size()
+        n = min(max(_LAMB_GROUP // size, seg.longest), _LAMB_KEEP // size)
+        if pack.scratch is None or pack.scratch.numel() < n:
+            pack.scratch = torch.empty(n, dtype=pack.arena.dtype, device=pack.arena.device)
+        return pack.scratch[:n]
 
     def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], key: int) -> None:
         P, G, M, V = self._lists(ps, "exp_avg", "exp_avg_sq")
@@ -469,18 +511,27 @@ class LARS(ArenaOptimizer):
         # that one kernel serves every tensor of the range
         keep = self._decayed(pack, i, j, seg, bool(group["exclude_1d"]), _hp_dtype(p))
         wd = keep[0] * group["weight_decay"]
-        # The direction d = g + wd*p chunk by chunk into a chunk-sized buffer, block norms of w
-        # and d while in cache; the update recomputes d, so d never makes a pass of its own.
-        d = self._chunk_buffer(pack, seg)
-        for a, b in seg.chunks:
-            torch.addcmul(g[a:b], p[a:b], wd[a:b], out=d[:b - a])
-            _block_norms(seg, a, b, p[a:b], d[:b - a])
+        native = _native.kernel("lars", p) if _compiling(self.compile) else None
+        if native is not None:  # the row sums of squares of w and d = g + wd*w, nothing written
+            native(p, g, wd, seg.sq, len(seg.row_seg), seg.blk, torch.get_num_threads())
+        else:
+            # d chunk by chunk into a chunk-sized buffer, its row norms taken while in cache
+            d = self._chunk_buffer(pack, seg)
+            for a, b in seg.chunks:
+                torch.addcmul(g[a:b], p[a:b], wd[a:b], out=d[:b - a])
+                _block_sumsq(seg, a, b, p[a:b], d[:b - a])
+        # the update recomputes d, so d never makes a pass of its own
         norms = _segment_norms(pack, i, j, seg)
         q = _rules.trust_ratio(norms[:j - i], norms[j - i:], eta=group["eta"])
         if keep[1] is not None:
             q = torch.where(keep[1], q, 1.0)
-        _kernel(_lars_mom_kernel, self.compile)(p, g, buf, wd, _column(q, seg, p.dtype),
-                                                _hp([group["lr"], group["momentum"]], p), bool(group["nesterov"]))
+        hp = _hp([group["lr"], group["momentum"]], p)
+        if native is not None:
+            _native.kernel("lars_apply", p)(p, g, buf, wd, _column(q, seg, p.dtype), hp, int(group["nesterov"]),
+                                            len(seg.row_seg), seg.blk, torch.get_num_threads())
+        else:
+            _kernel(_lars_mom_kernel, self.compile)(p, g, buf, wd, _column(q, seg, p.dtype), hp,
+                                                    bool(group["nesterov"]))
 
     @staticmethod
     def _chunk_buffer(pack: _Pack, seg: _Segments) -> torch.Tensor:
