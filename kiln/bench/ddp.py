@@ -13,8 +13,10 @@ half) and the same steps, with AdamW at the same lr, betas, eps and weight decay
   backward: one all-reduce per arena, nothing overlapped.
 - ``kiln_overlap``: ``ZeroOptimizer(stage=0, overlap=True)`` (25 MB buckets): each bucket
   all-reduced as soon as backward has completed it.
-- ``kiln_zero2``: ``ZeroOptimizer(stage=2, overlap=True)``: each bucket reduced to the rank
-  owning its shard during backward, the shard stepped, parameters all-gathered after.
+- ``kiln_zero2``: ``ZeroOptimizer(stage=2, overlap=True)``: each bucket summed during
+  backward for the rank owning its shard (on gloo by all-reduce, cheaper there than its
+  reduce), the shard stepped, then each owner's parameters broadcast (gloo's all-gather
+  costs about 4.7x as much); the full gradient freed between steps.
 
 The kiln methods follow the trainer's per-step order (``kiln/train/loop.py``): forward,
 backward inside ``sync_gradients(optimizer, last=True)``, ``all_reduce_gradients`` (for a
