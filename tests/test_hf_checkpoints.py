@@ -292,7 +292,8 @@ def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, tm
         assert torch.equal(_logits(_reference(two / "hf")), _logits(_reference(_only_run(tmp_path / "straight") / "hf")))
 
 
-def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretrained, tmp_path, capsys):
+def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretrained, tmp_path, capsys,
+                                                                          monkeypatch):
     source = pretrained("gpt2")
     assert main(["train", str(_config(tmp_path, source)), f"train.output_dir={tmp_path / 'runs'}"]) == 0
     run = _only_run(tmp_path / "runs")
@@ -310,6 +311,20 @@ def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretr
     assert not torch.equal(exported["transformer.h.0.attn.c_attn.weight"], final["transformer.h.0.attn.c_attn.weight"])
     assert main(["export", str(run), "--to", "hf", str(tmp_path / "newest")]) == 0  # default: the newest, step 4
     assert f"{run} at step 4 (final)" in capsys.readouterr().out
+    # the export reads the model's tensors only, not the optimizer state beside them
+    import kiln.parallel
+
+    whole, _ = kiln.parallel.read_sharded(run / "checkpoints" / "final")
+    weights, _ = kiln.parallel.read_sharded(run / "checkpoints" / "final", prefix="model.")
+    assert any(k.startswith("optim.state.") for k in whole)
+    assert weights.keys() == {k for k in whole if k.startswith("model.")}
+    assert all(torch.equal(weights[k], whole[k]) for k in weights)
+    asked = []
+    real = kiln.parallel.read_sharded
+    monkeypatch.setattr(kiln.parallel, "read_sharded", lambda d, prefix="": asked.append(prefix) or real(d, prefix))
+    assert main(["export", str(run), "--to", "hf", str(tmp_path / "again")]) == 0
+    assert asked == ["model."]
+    capsys.readouterr()
 
     mlp = tmp_path / "mlp"  # a run of kiln's own model (only its config matters: refused before reading)
     mlp.mkdir()

@@ -471,15 +471,17 @@ def check_sharded(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def read_sharded(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every tensor of a :func:`save_sharded` checkpoint, whole, in this process (no process
-    group needed), and its JSON metadata: ``({"model.<fqn>": ..., "optim.state.<fqn>.<name>":
-    ..., "master.<fqn>": ...}, meta)``."""
+def read_sharded(directory: str | os.PathLike, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of a :func:`save_sharded` checkpoint whose key starts with ``prefix``
+    (default: all), whole, in this process (no process group needed), and its JSON metadata:
+    ``({"model.<fqn>": ..., "optim.state.<fqn>.<name>": ..., "master.<fqn>": ...}, meta)``. Only
+    those tensors are allocated and read (``prefix="model."``: the weights without the
+    optimizer state, about a third of an AdamW checkpoint)."""
     path = Path(directory)
     meta = json.loads((path / META_FILE).read_text())
     reader = _SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
-    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()}
+    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.startswith(prefix)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.load(tensors, checkpoint_id=str(path), storage_reader=reader, no_dist=True)

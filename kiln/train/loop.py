@@ -322,8 +322,8 @@ def _checkpoint_at(run_dir: Path, step: int | None) -> tuple[int, Path]:
 
 def _hf_from_checkpoint(cfg: Any, checkpoint_dir: Path, to: Path) -> Path:
     """The model ``cfg`` builds, filled from checkpoint ``checkpoint_dir``, written to ``to`` with
-    ``save_pretrained``. Reads the whole checkpoint (optimizer state too: read_sharded reads
-    everything) into this process, and holds one copy of the model."""
+    ``save_pretrained``. Reads only the model's tensors of the checkpoint (not the optimizer
+    state) into this process, and holds one copy of the model."""
     from kiln.hf import copy_weights, deferred_weights, is_hf_model, meta_parameters, write_pretrained
     from kiln.parallel import read_sharded
     from kiln.train._build import build_model
@@ -340,8 +340,8 @@ def _hf_from_checkpoint(cfg: Any, checkpoint_dir: Path, to: Path) -> Path:
         kind = f"{type(model).__module__}.{type(model).__qualname__}"
         raise ConfigError(f"the run's model is {kind}, not a transformers model: only Hugging Face models "
                           "export to hf (read a checkpoint's weights with kiln.train.load_checkpoint)")
-    tensors, _ = read_sharded(checkpoint_dir)
-    weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    tensors, _ = read_sharded(checkpoint_dir, prefix="model.")
+    weights = {k[len("model."):]: v for k, v in tensors.items()}
     del tensors
     dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
     if len(dtypes) == 1:  # the dtype the run held (its config.json may say bfloat16, kiln trained fp32)
