@@ -197,6 +197,18 @@ def kernel(name: str, like: torch.Tensor) -> Callable | None:
     return _BUILT[key]
 
 
+def kernels(like: torch.Tensor, *names: str) -> tuple[Callable, ...] | None:
+    """The native kernels ``names`` for buffers like ``like``, or None unless every one of them
+    is there (an optimizer runs all of its passes natively, or none)."""
+    found = []
+    for name in names:  # (stops at the first that cannot be built: one warning, not one each)
+        k = kernel(name, like)
+        if k is None:
+            return None
+        found.append(k)
+    return tuple(found)
+
+
 def _build(name: str, ctype: str) -> Callable | None:
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache

@@ -427,10 +427,11 @@ class LAMB(ArenaOptimizer):
             # one call per step where the norms are whole here (the rest of the step, ratios
             # included, in the kernel: see _native); a shard's sums are completed across ranks
             # between the two passes
-            ub = self._lamb_buffer(pack, seg)
+            whole = pack.norm_reduce is None
+            ub = self._lamb_buffer(pack, seg) if whole else seg.sq[:0]  # a shard's passes keep no u
             run = functools.partial(native, p, g, m, v, seg.sq, ub, hp, seg.rows, j - i, nb, blk,
                                     _LAMB_GROUP // p.element_size(), ub.numel())
-            if pack.norm_reduce is None:
+            if whole:
                 run(0, torch.get_num_threads())
                 return
             run(1, torch.get_num_threads())
@@ -511,9 +512,9 @@ class LARS(ArenaOptimizer):
         # that one kernel serves every tensor of the range
         keep = self._decayed(pack, i, j, seg, bool(group["exclude_1d"]), _hp_dtype(p))
         wd = keep[0] * group["weight_decay"]
-        native = _native.kernel("lars", p) if _compiling(self.compile) else None
+        native = _native.kernels(p, "lars", "lars_apply") if _compiling(self.compile) else None
         if native is not None:  # the row sums of squares of w and d = g + wd*w, nothing written
-            native(p, g, wd, seg.sq, len(seg.row_seg), seg.blk, torch.get_num_threads())
+            native[0](p, g, wd, seg.sq, len(seg.row_seg), seg.blk, torch.get_num_threads())
         else:
             # d chunk by chunk into a chunk-sized buffer, its row norms taken while in cache
             d = self._chunk_buffer(pack, seg)
@@ -527,8 +528,8 @@ class LARS(ArenaOptimizer):
             q = torch.where(keep[1], q, 1.0)
         hp = _hp([group["lr"], group["momentum"]], p)
         if native is not None:
-            _native.kernel("lars_apply", p)(p, g, buf, wd, _column(q, seg, p.dtype), hp, int(group["nesterov"]),
-                                            len(seg.row_seg), seg.blk, torch.get_num_threads())
+            native[1](p, g, buf, wd, _column(q, seg, p.dtype), hp, int(group["nesterov"]), len(seg.row_seg),
+                      seg.blk, torch.get_num_threads())
         else:
             _kernel(_lars_mom_kernel, self.compile)(p, g, buf, wd, _column(q, seg, p.dtype), hp,
                                                     bool(group["nesterov"]))
