@@ -82,9 +82,61 @@ def _train(rank: int, world: int, stage: int, overlap: bool, accumulate: int) ->
     return out
 
 
+class Rooted(nn.Module):
+    """A parameter of the root module's own, ahead of the layers in the arena."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16) -> (B, 4)
+        x = x * self.scale
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _train_gather(rank: int, world: int, stage: int, gather: bool) -> dict:
+    import kiln.optim
+    from kiln.parallel import ZeroOptimizer, broadcast_parameters, sync_gradients
+
+    torch.manual_seed(0)
+    model = Rooted().double()
+    temp = nn.Parameter(torch.ones((), dtype=torch.float64))  # the loss's, not the model's: first in the arena
+    opt = kiln.optim.AdamW([temp, *model.parameters()], lr=1e-2, weight_decay=0.1)
+    zero = ZeroOptimizer(opt, stage, overlap=True, bucket_mb=1 / 1024)
+    if gather:  # chunks of 1 KiB: parameters cut across chunks and across the two owners' shards
+        zero.overlap_param_gather(model, chunk_mb=1 / 1024)
+    broadcast_parameters(zero)
+    g = zero._gather
+    seen: dict[str, list] = {"first": [], "head": []}  # (received chunks waited for, chunks in flight)
+    model.layers[0].register_forward_pre_hook(lambda *_: seen["first"].append((g.waited, len(g.handles)) if g else 0))
+    model.head.register_forward_pre_hook(lambda *_: seen["head"].append((g.waited, len(g.handles)) if g else 0))
+    gen = torch.Generator().manual_seed(100 + rank)
+    at_step_2 = None
+    for step in range(STEPS):
+        x = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 4, (8,), generator=gen)
+        loss = nn.functional.cross_entropy(model(x) / temp, y)
+        with sync_gradients(zero, last=True):
+            loss.backward()
+        zero.step()
+        zero.zero_grad()
+        if step == 2:  # read while the exchange may still run: the module's state_dict waits
+            at_step_2 = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # an evaluation forward waits too
+        model(torch.zeros(2, 16, dtype=torch.float64))
+    return {"weights": [temp.detach().clone()] + [p.detach().clone() for p in model.parameters()],
+            "at_step_2": at_step_2, "seen": seen, "chunks": [r for _, r in g.chunks] if g else []}
+
+
 def _train_all(rank: int, world: int) -> dict:
     # one pair of processes for every case: starting processes costs more than the steps
-    return {(stage, overlap): _train(rank, world, stage, overlap, 2) for stage in (0, 1, 2) for overlap in (False, True)}
+    out = {(stage, overlap): _train(rank, world, stage, overlap, 2) for stage in (0, 1, 2) for overlap in (False, True)}
+    out.update({("gather", stage, on): _train_gather(rank, world, stage, on) for stage in (1, 2) for on in (False, True)})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +174,40 @@ def test_overlapped_reduction_is_bitwise_the_reduction_after_backward(runs, stag
     # waited for reduce_gradients there, while rank 1 launched them all during backward
     assert on[0]["launched"][UNUSED_STEP] < n == on[1]["launched"][UNUSED_STEP]
     assert off[0]["n_buckets"] == 0 and off[0]["launched"] == [0] * STEPS
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_exchange_overlapped_with_the_next_forward_is_bitwise_the_same(runs, stage):
+    """overlap_param_gather: the same weights, bitwise, as the exchange at the end of step();
+    a module's state_dict read right after a step sees the new values; each forward waits for
+    the chunks of its own parameters only."""
+    off = [r[("gather", stage, False)] for r in runs]
+    on = [r[("gather", stage, True)] for r in runs]
+    for r in range(2):
+        assert len(on[r]["weights"]) == 12
+        assert all(torch.equal(a, b) for a, b in zip(off[r]["weights"], on[r]["weights"]))
+        assert all(torch.equal(a, b) for a, b in zip(on[0]["weights"], on[r]["weights"]))  # replicas agree
+        assert on[r]["at_step_2"].keys() == off[r]["at_step_2"].keys()
+        assert all(torch.equal(on[r]["at_step_2"][k], off[r]["at_step_2"][k]) for k in on[r]["at_step_2"])
+    torch.manual_seed(0)
+    assert not torch.equal(Rooted().double().layers[0].weight, on[0]["weights"][2])  # trained
+    owners = on[0]["chunks"]
+    n, mine = len(owners), owners.count(0)
+    assert n >= 10 and mine == n // 2 and owners == sorted(owners)  # rank 0's shard first, then rank 1's
+    # the forwards of steps 1, 2, 4, 5 and the evaluation after the last step found every chunk
+    # in flight; step 0's (before any step) and step 3's (after step 2's state_dict waited) none
+    overlapped = [1, 2, 4, 5, 6]
+    for r in range(2):
+        seen = on[r]["seen"]
+        assert len(seen["first"]) == len(seen["head"]) == STEPS + 1
+        assert [seen["first"][i][1] for i in (0, 3)] == [0, 0]
+        assert all(seen["first"][i][1] == n for i in overlapped)
+    # rank 1 waits at the first layer for rank 0's chunks up to that layer, not for all of them;
+    # rank 0 holds the first layer itself and waits for nothing there
+    assert all(0 < on[1]["seen"]["first"][i][0] < mine for i in overlapped)
+    assert all(on[0]["seen"]["first"][i][0] == 0 for i in overlapped)
+    # rank 0 reaches the head (in rank 1's shard) only after waiting for rank 1's chunks before it
+    assert all(mine < on[0]["seen"]["head"][i][0] <= n for i in overlapped)
 
 
 @pytest.mark.parametrize("zero", [0, 2])

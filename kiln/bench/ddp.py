@@ -13,10 +13,12 @@ half) and the same steps, with AdamW at the same lr, betas, eps and weight decay
   backward: one all-reduce per arena, nothing overlapped.
 - ``kiln_overlap``: ``ZeroOptimizer(stage=0, overlap=True)`` (25 MB buckets): each bucket
   all-reduced as soon as backward has completed it.
-- ``kiln_zero2``: ``ZeroOptimizer(stage=2, overlap=True)``: each bucket summed during
-  backward for the rank owning its shard (on gloo by all-reduce, cheaper there than its
-  reduce), the shard stepped, then each owner's parameters broadcast (gloo's all-gather
-  costs about 4.7x as much); the full gradient freed between steps.
+- ``kiln_zero2``: ``ZeroOptimizer(stage=2, overlap=True)`` with ``overlap_param_gather``
+  (the trainer's defaults): each bucket summed during backward for the rank owning its
+  shard (on gloo by all-reduce, cheaper there than its reduce), the shard stepped, then each
+  owner's parameters broadcast in 4 MiB chunks that the next forward waits for module by
+  module (gloo's all-gather costs about 4.7x as much as the broadcasts); the full gradient
+  freed between steps.
 
 The kiln methods follow the trainer's per-step order (``kiln/train/loop.py``): forward,
 backward inside ``sync_gradients(optimizer, last=True)``, ``all_reduce_gradients`` (for a
@@ -35,19 +37,23 @@ Columns, per model and method:
   communication event on any thread (``kiln.bench._profile.COMM_PREFIXES``: on gloo the
   ``c10d::*`` op on the calling thread and its ``gloo:*`` execution on gloo's worker thread,
   waits for the peer included), per step; the slower rank's;
-- hidden: the share of that communication time that runs while backward computes,
-  ``|comm ∩ backward| / |comm|``, where backward is the interval from the start of
+- hidden: the share of that communication time that runs while the model computes,
+  ``|comm ∩ compute| / |comm|``. Compute is backward, the interval from the start of
   ``loss.backward()`` (a ``record_function("backward")``) to the end of autograd's last node
-  (``autograd::engine::evaluate_function: ...``). DDP's wait for its last bucket (and its
-  copies from the buckets into ``.grad``) sit inside ``loss.backward()`` but after the last
-  node, so they count as exposed, as kiln's wait in ``reduce_gradients`` does. Both ranks'
-  hidden time over both ranks' communication time;
+  (``autograd::engine::evaluate_function: ...``), and the forward's operators: the ``aten::``
+  events of the calling thread inside a ``record_function("forward")``, not the time it
+  waits there (ZeRO-2's waits for parameters, DDP's broadcast of buffers). DDP's wait for
+  its last bucket (and its copies from the buckets into ``.grad``) sit inside
+  ``loss.backward()`` but after the last node, so they count as exposed, as kiln's wait in
+  ``reduce_gradients`` does. Both ranks' hidden time over both ranks' communication time;
 - exposed ms/step: comm ms x (1 - hidden), the communication left outside backward;
 - ZeRO-2 / stage 0: ``kiln_zero2``'s samples/s over ``kiln_overlap``'s (goal: at least 0.95).
 
 Every number is the median over ``ROUNDS`` rounds; the 1- and 2-process runs alternate, and
 the methods' order rotates from round to round, so that drift on a shared machine hits all
-alike. On 2 cores, gloo's worker thread competes with the other rank's compute for a core:
+alike. The ratios between methods (vs DDP, ZeRO-2 / stage 0) are medians of the ratios within
+each round, whose methods ran back to back in the same two processes: a slower round (the
+machine busier for a minute) moves both sides of its ratio. On 2 cores, gloo's worker thread competes with the other rank's compute for a core:
 communication "overlapped" with backward still takes cycles from it, so a high hidden share
 buys less here than on NCCL, where the same buckets run on the GPU's copy engines and network
 while the CPU and SMs compute. The JSON holds every round, the seconds per communication
@@ -160,7 +166,9 @@ def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimiz
     broadcast_parameters(model)
     if method == "kiln_sync":
         return model, opt
-    return model, ZeroOptimizer(opt, stage=2 if method == "kiln_zero2" else 0, overlap=True)
+    zero = ZeroOptimizer(opt, stage=2 if method == "kiln_zero2" else 0, overlap=True)
+    zero.overlap_param_gather(model)  # (nothing to gather at stage 0)
+    return model, zero
 
 
 def _classes(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -203,7 +211,8 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[s
 
     def step(i: int) -> None:
         lo = (i % n) * global_batch + rank * local  # this rank's slice of the global batch
-        loss = loss_fn(net(inputs[lo:lo + local]), targets[lo:lo + local])
+        with record_function("forward"):
+            loss = loss_fn(net(inputs[lo:lo + local]), targets[lo:lo + local])
         # sync_gradients: with a ZeroOptimizer(overlap=True), buckets are reduced during this backward
         with sync_gradients(opt, last=True), record_function("backward"):
             loss.backward()
@@ -213,12 +222,17 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[s
         opt.zero_grad()
         losses.append(loss.detach())
 
+    # ZeRO-2's parameter exchange runs into the next forward: the last one is waited for inside
+    # the timed (and the profiled) steps, and none is in flight when they start
+    done = getattr(opt, "wait_parameters", lambda: None)
     for i in range(warmup):
         step(i)
+    done()
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
+    done()
     dist.barrier()  # the step ends when the slower rank is done
     wall = time.perf_counter() - t0
 
@@ -230,6 +244,7 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[s
         try:
             for i in range(warmup + steps, warmup + steps + profiled):
                 step(i)
+            done()
         finally:
             with quiet_stderr():
                 prof.stop()
@@ -239,7 +254,8 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[s
 
 
 def _comm(prof: Any, steps: int) -> dict[str, Any]:
-    """This rank's communication per profiled step, and how much of it ran during backward."""
+    """This rank's communication per profiled step, and how much of it ran while forward or
+    backward computed."""
     from kiln.bench._profile import comm_spans, intersection_seconds, span, union_seconds
 
     events = prof.events()
@@ -248,9 +264,14 @@ def _comm(prof: Any, steps: int) -> dict[str, Any]:
     nodes = [span(e) for e in events if e.name.startswith("autograd::engine::evaluate_function")]
     # each backward's compute: from its start to the end of the last autograd node inside it
     windows = [(a, max((e for s, e in nodes if a <= s <= b), default=a)) for a, b in backward]
+    # each forward's compute: its thread's operators (not its waits for communication)
+    for f in (e for e in events if e.name == "forward"):
+        a, b = span(f)
+        windows += [span(e) for e in events if e.name.startswith("aten::") and e.thread == f.thread
+                    and a <= span(e)[0] and span(e)[1] <= b]
     return {"comm_ms_per_step": union_seconds(comm) / steps * 1e3,
             "hidden_comm_ms_per_step": intersection_seconds(comm, windows) / steps * 1e3,
-            "backward_ms_per_step": sum(b - a for a, b in windows) / steps * 1e3,
+            "backward_ms_per_step": sum(b - a for a, b in windows[:len(backward)]) / steps * 1e3,
             "comm_ms_by_event": {k: v / steps * 1e3 for k, v in sorted(by_name.items())}}
 
 
@@ -304,13 +325,20 @@ def _row(name: str, one: list[dict[str, Any]], two: dict[str, list[dict[str, Any
             "backward_ms_per_step": _median(runs, "backward_ms_per_step"),
             "classes": runs[0]["classes"], "losses": runs[0]["losses"], "rounds": runs,
         }
-    ddp = methods["torch_ddp"]["samples_per_s"]
-    for m in methods.values():
-        m["vs_torch_ddp"] = m["samples_per_s"] / ddp
+    for m in methods:
+        methods[m]["vs_torch_ddp"] = _paired(two, m, "torch_ddp")
     return {"model": name, "n_params": one[0]["n_params"], "global_batch": batch, "steps": one[0]["steps"],
             "samples_per_s_1": base, "step_ms_1": batch / base * 1e3, "losses_1": one[0]["losses"],
             "rounds_1": one, "methods": methods,
-            "zero2_vs_overlap": methods["kiln_zero2"]["samples_per_s"] / methods["kiln_overlap"]["samples_per_s"]}
+            "zero2_vs_overlap": _paired(two, "kiln_zero2", "kiln_overlap"),
+            "zero2_vs_overlap_by_round": [a["samples_per_s"] / b["samples_per_s"]
+                                          for a, b in zip(two["kiln_zero2"], two["kiln_overlap"])]}
+
+
+def _paired(two: dict[str, list[dict[str, Any]]], m: str, ref: str) -> float:
+    """``m``'s samples/s over ``ref``'s: the median over rounds of the ratio within a round, where
+    the two ran back to back in the same processes (drift between rounds cancels)."""
+    return statistics.median(a["samples_per_s"] / b["samples_per_s"] for a, b in zip(two[m], two[ref]))
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

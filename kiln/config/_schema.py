@@ -118,6 +118,9 @@ class ParallelConfig:
     pp_stages: Optional[list[int]] = None  # blocks per stage (sums to the depth); None: balanced
     timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging
     overlap_grad_reduce: bool = True  # dp > 1 on the arena: reduce gradient buckets during the last backward
+    # zero 1/2, with overlap_grad_reduce and without train.compile: each step's parameter
+    # exchange runs into the next forward, each module waiting for its own parameters only
+    overlap_param_gather: bool = True
 
 
 NAMESPACES: dict[str, Any] = {

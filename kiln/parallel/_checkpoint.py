@@ -88,6 +88,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _wait_parameters(optimizer: Optimizer | None) -> None:
+    """A ZeroOptimizer whose parameter exchange runs into the next forward
+    (``overlap_param_gather``): every parameter current before it is read or written."""
+    wait = getattr(optimizer, "wait_parameters", None)
+    if wait is not None:
+        wait()
+
+
 def _modules(model: Modules) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
@@ -327,6 +335,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     rank, world = _rank(), dist.get_world_size() if _dist() else 1
+    _wait_parameters(optimizer)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that died
     _barrier()
@@ -500,6 +509,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     ``extra`` dict given at save time."""
     path = Path(directory)
     meta = json.loads((path / META_FILE).read_text())
+    _wait_parameters(optimizer)  # nothing may still be written into what is loaded
     reader = _SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     states = [get_model_state_dict(m) for m in _modules(model)]

@@ -18,7 +18,10 @@ accumulated its last gradient (post-accumulate-grad hooks), while backward compu
 earlier layers' gradients; :meth:`ZeroOptimizer.reduce_gradients` waits for them. Only the
 backward run inside ``sync_gradients(True)`` communicates, so with accumulation the other
 micro-batches accumulate locally; results are bitwise those of the synchronous path (see
-:class:`_Buckets`).
+:class:`_Buckets`). :meth:`ZeroOptimizer.overlap_param_gather` does the same for the other
+direction under ZeRO: the parameters each rank stepped go out in chunks after the step, and
+the next forward waits, module by module, only for the chunks its parameters sit in (see
+:class:`_Gather`).
 
 The calls per step, the same on every rank (they are collectives); dp ranks with batch B/dp
 each train like one process with batch B (gradients are averaged; tested to 1e-6)::
@@ -33,6 +36,10 @@ each train like one process with batch B (gradients are averaged; tested to 1e-6
         total = kiln.optim.clip_grad_norm_(zero, 1.0)  # optional: global norm over all ranks' shards
         zero.step()                          # shard update (+ all-gather of parameters)
         zero.zero_grad()
+
+With ``zero.overlap_param_gather(model)`` called once before the loop, ``step()`` returns with
+the parameter exchange still running; ``model``'s forward waits for it piece by piece, and
+``zero.wait_parameters()`` waits for all of it (before reading parameters any other way).
 """
 
 from __future__ import annotations
@@ -234,6 +241,7 @@ class ZeroOptimizer(Optimizer):
         self.param_groups, self.defaults, self.state = optimizer.param_groups, optimizer.defaults, optimizer.state
         self._reduced = self._freed = False
         self._buckets: _Buckets | None = None
+        self._gather: _Gather | None = None
         if overlap and self.world > 1:
             self._buckets = _Buckets(optimizer, stage, group, self.world, int(bucket_mb * 2**20))
         if stage == 0:
@@ -337,6 +345,35 @@ class ZeroOptimizer(Optimizer):
         finally:
             self._buckets.armed = False
 
+    def overlap_param_gather(self, module: torch.nn.Module, chunk_mb: float = 4.0) -> None:
+        """Stages 1 and 2: leave the parameter exchange that ends each :meth:`step` running, and
+        let the next forward of ``module`` wait for it module by module (Megatron-LM's
+        ``overlap_param_gather``): a submodule's forward pre-hook waits only for the chunks
+        holding its own parameters, so the exchange of the later layers is hidden behind the
+        forward of the earlier ones. The exchange is one broadcast per chunk of ``chunk_mb``
+        MiB from the shard's owner, in arena order (about forward order); bitwise the same
+        values as the synchronous exchange.
+
+        Until then the parameters of other ranks' shards still hold the last step's values.
+        ``module``'s forward (training or evaluation) and ``state_dict``/``load_state_dict``,
+        this wrapper's ``step``, ``state_dict`` and ``load_state_dict`` wait by themselves;
+        anything else that reads the parameters between ``step`` and the next forward (an
+        EMA, a checkpoint written from the arena) calls :meth:`wait_parameters` first. A
+        parameter of the optimizer that is not a parameter of ``module`` is waited for at
+        ``module``'s own forward. Not under ``torch.compile`` (the waits would break its
+        graphs): call this on the model before compiling it, or not at all."""
+        if self.stage == 0 or self.world == 1:
+            return  # nothing is exchanged
+        if self._gather is not None:
+            raise RuntimeError("overlap_param_gather was already called on this ZeroOptimizer")
+        self._gather = _Gather(self, module, int(chunk_mb * 2**20))
+
+    def wait_parameters(self) -> None:
+        """Wait for the parameter exchange of :meth:`overlap_param_gather` (nothing to wait for
+        otherwise): every parameter then holds this step's value on every rank."""
+        if self._gather is not None:
+            self._gather.wait()
+
     def flat_grads(self) -> list[torch.Tensor]:
         """The gradients this rank steps, averaged once :meth:`reduce_gradients` ran: the full
         flat ones (stage 0) or this rank's shards (a non-finite check must be OR-ed over ranks)."""
@@ -367,8 +404,11 @@ class ZeroOptimizer(Optimizer):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self.reduce_gradients()
+        self.wait_parameters()  # the last exchange's sends read what this step writes
         self.optimizer.step()
-        if self.world > 1:
+        if self._gather is not None:
+            self._gather.launch()  # waited for in the next forward, module by module
+        elif self.world > 1:
             with torch.no_grad():
                 for arena, shard in zip(self.optimizer.arenas, self.optimizer.shards):
                     if self._gloo:  # each owner broadcasts its shard, all at once
@@ -393,6 +433,7 @@ class ZeroOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout with the full state, every rank's pieces gathered: a collective
         (save_sharded writes each rank's pieces without it)."""
+        self.wait_parameters()  # (the state is not the parameters, but a checkpoint reads both)
         sd = self.optimizer.state_dict()
         if self.stage == 0:
             return sd
@@ -415,6 +456,7 @@ class ZeroOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A torch.optim-layout dict (:meth:`state_dict`'s, ``torch.optim.AdamW``'s): each rank
         takes its pieces (or the inner optimizer's sharded dict, of the same sharding)."""
+        self.wait_parameters()
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
@@ -589,6 +631,87 @@ class _Buckets:
         t = torch.tensor(order, dtype=torch.int64, device=device)
         dist.broadcast(t, group_src=0, group=self.group)
         self.order, self.learned = t.tolist(), True
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+# -- parameter exchange overlapped with the next forward -----------------------------------------
+class _Gather:
+    """The parameters of every rank's shard sent by their owner after a ZeRO step, waited for in
+    the next forward (:meth:`ZeroOptimizer.overlap_param_gather`).
+
+    Each arena's shards are cut into chunks of about ``chunk_bytes``; :meth:`launch` issues one
+    asynchronous broadcast per chunk from its owner, in arena order, the same on every rank.
+    Each submodule of ``module`` with parameters of its own gets a forward pre-hook that waits
+    for the received chunks up to the last one holding those parameters (earlier ones too: the
+    wait is in issue order, whatever order they complete in). A rank never waits in a forward
+    for the chunks it sends (its own values are current); :meth:`wait` waits for everything.
+    """
+
+    def __init__(self, zero: ZeroOptimizer, module: torch.nn.Module, chunk_bytes: int) -> None:
+        self.group, self.rank = zero.group, zero.rank
+        self.chunks: list[tuple[torch.Tensor, int]] = []  # (slice of an arena's parameters, owner)
+        last: dict[int, int] = {}  # id(parameter) -> the last received chunk holding part of it
+        for arena, params in zero.optimizer.packed_params():
+            per = max(1, chunk_bytes // arena.dtype.itemsize)
+            for r in range(zero.world):
+                lo, hi = arena.shard(r, zero.world)
+                for c in range(lo, hi, per):
+                    self.chunks.append((arena.param[c:min(c + per, hi)], r))
+                    if r == self.rank:
+                        continue
+                    for p, start, n in zip(params, arena.offsets.tolist(), arena.numels):
+                        if start < min(c + per, hi) and c < start + n:
+                            last[id(p)] = len(self.chunks) - 1
+        # each submodule waits up to the last received chunk of its own parameters; the root
+        # also for the optimizer's parameters that no submodule holds
+        self.hooks: list[Any] = []
+        held: set[int] = set()
+        for m in module.modules():
+            own = {id(p) for p in m.parameters(recurse=False)}
+            held |= own
+            need = max((last[i] for i in own if i in last), default=-1)
+            if m is not module and need >= 0:
+                self.hooks.append(m.register_forward_pre_hook(self._hook(need)))
+        root = {id(p) for p in module.parameters(recurse=False)} | (last.keys() - held)
+        self.hooks.append(module.register_forward_pre_hook(self._hook(max((last[i] for i in root if i in last),
+                                                                            default=-1))))
+        ref = weakref.ref(self)
+        self.hooks.append(module.register_state_dict_pre_hook(lambda *_: (g := ref()) and g.wait()))
+        self.hooks.append(module.register_load_state_dict_pre_hook(lambda *_: (g := ref()) and g.wait()))
+        self.handles: list[Any] = []
+        self.waited = 0  # handles[:waited] are waited for
+
+    def _hook(self, need: int) -> Callable[..., None]:
+        ref = weakref.ref(self)
+
+        def hook(_module: torch.nn.Module, _args: Any) -> None:
+            gather = ref()
+            if gather is not None and gather.waited <= need < len(gather.handles):
+                gather.wait(need + 1)
+
+        return hook
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        self.handles = [dist.broadcast(t, group_src=r, group=self.group, async_op=True) for t, r in self.chunks]
+        self.waited = 0
+
+    def wait(self, upto: int | None = None) -> None:
+        """Wait for the chunks received among the first ``upto`` (a forward), or for every
+        chunk, the sent ones too (``None``: then nothing is in flight)."""
+        if upto is None:
+            for h in self.handles:
+                h.wait()
+            self.handles, self.waited = [], 0
+            return
+        for k in range(self.waited, upto):
+            if self.chunks[k][1] != self.rank:
+                self.handles[k].wait()
+        self.waited = max(self.waited, upto)
 
     def remove(self) -> None:
         for h in self.hooks:

@@ -214,6 +214,10 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
             # contiguous shard of every arena; from here on only the wrapper is used (stage 0:
             # the same wrapper, all-reducing, for the overlap).
             optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group, overlap=overlap)
+            if overlap and cfg.parallel.overlap_param_gather and not tc.compile:
+                # (compiled, the per-module waits would break the graphs; evaluation's forward
+                # and the checkpoint's reads wait too)
+                optimizer.overlap_param_gather(par.model)
             precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
     model = par.model
     if tc.compile:
