@@ -44,9 +44,11 @@ the parameter exchange still running; ``model``'s forward waits for it piece by 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import functools
+import math
 import sys
 import weakref
 from typing import Any, Callable, Iterator
@@ -351,8 +353,8 @@ class ZeroOptimizer(Optimizer):
         ``overlap_param_gather``): a submodule's forward pre-hook waits only for the chunks
         holding its own parameters, so the exchange of the later layers is hidden behind the
         forward of the earlier ones. The exchange is one broadcast per chunk of ``chunk_mb``
-        MiB from the shard's owner, in arena order (about forward order); bitwise the same
-        values as the synchronous exchange.
+        MiB from the shard's owner, in the order of ``module``'s parameters (about forward
+        order); bitwise the same values as the synchronous exchange.
 
         Until then the parameters of other ranks' shards still hold the last step's values.
         ``module``'s forward (training or evaluation) and ``state_dict``/``load_state_dict``,
@@ -644,7 +646,8 @@ class _Gather:
     the next forward (:meth:`ZeroOptimizer.overlap_param_gather`).
 
     Each arena's shards are cut into chunks of about ``chunk_bytes``; :meth:`launch` issues one
-    asynchronous broadcast per chunk from its owner, in arena order, the same on every rank.
+    asynchronous broadcast per chunk from its owner, in the order of first use (below), the
+    same on every rank.
     Each submodule of ``module`` with parameters of its own gets a forward pre-hook that waits
     for the received chunks up to the last one holding those parameters (earlier ones too: the
     wait is in issue order, whatever order they complete in). A rank never waits in a forward
@@ -653,19 +656,31 @@ class _Gather:
 
     def __init__(self, zero: ZeroOptimizer, module: torch.nn.Module, chunk_bytes: int) -> None:
         self.group, self.rank = zero.group, zero.rank
-        self.chunks: list[tuple[torch.Tensor, int]] = []  # (slice of an arena's parameters, owner)
-        last: dict[int, int] = {}  # id(parameter) -> the last received chunk holding part of it
+        # Issue order: by the first parameter of ``module`` (registration order, about the order
+        # of use) that a chunk holds; the optimizer's parameters outside ``module`` first (the
+        # root waits for them), chunks of padding alone last. Arenas interleave: a layer's
+        # weight and bias (two arenas under weight-decay groups) come early together.
+        first = {id(p): i for i, p in enumerate(module.parameters())}
+        found: list[tuple[float, int, torch.Tensor, int, list[int]]] = []
         for arena, params in zero.optimizer.packed_params():
             per = max(1, chunk_bytes // arena.dtype.itemsize)
+            starts = arena.offsets.tolist()
             for r in range(zero.world):
                 lo, hi = arena.shard(r, zero.world)
                 for c in range(lo, hi, per):
-                    self.chunks.append((arena.param[c:min(c + per, hi)], r))
-                    if r == self.rank:
-                        continue
-                    for p, start, n in zip(params, arena.offsets.tolist(), arena.numels):
-                        if start < min(c + per, hi) and c < start + n:
-                            last[id(p)] = len(self.chunks) - 1
+                    e = min(c + per, hi)
+                    held = [id(params[i]) for i in range(max(0, bisect.bisect_right(starts, c) - 1),
+                                                         bisect.bisect_left(starts, e))
+                            if c < starts[i] + arena.numels[i]]
+                    key = min((first.get(i, -1) for i in held), default=math.inf)
+                    found.append((key, len(found), arena.param[c:e], r, held))
+        found.sort(key=lambda f: f[:2])
+        self.chunks = [(t, r) for _, _, t, r, _ in found]  # (slice of an arena's parameters, owner)
+        last: dict[int, int] = {}  # id(parameter) -> the last received chunk holding part of it
+        for k, (_, _, _, r, held) in enumerate(found):
+            if r != self.rank:
+                for i in held:
+                    last[i] = k
         # each submodule waits up to the last received chunk of its own parameters; the root
         # also for the optimizer's parameters that no submodule holds
         self.hooks: list[Any] = []
