@@ -82,20 +82,33 @@ def _train(rank: int, world: int, stage: int, overlap: bool, accumulate: int) ->
     return out
 
 
+class Mix(nn.Module):
+    """Reads its child's parameters itself, never calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.linear(x, self.inner.weight, self.inner.bias)
+
+
 class Rooted(nn.Module):
-    """A parameter of the root module's own, ahead of the layers in the arena."""
+    """A parameter of the root module's own, ahead of the layers in the arena, and a module
+    (``mix``) whose parameters are read by its parent."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(16))
         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.mix = Mix()
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16) -> (B, 4)
         x = x * self.scale
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        return self.head(x)
+        return self.head(self.mix(x))
 
 
 def _train_gather(rank: int, world: int, stage: int, gather: bool) -> dict:
@@ -114,9 +127,9 @@ def _train_gather(rank: int, world: int, stage: int, gather: bool) -> dict:
         zero.overlap_param_gather(model, chunk_mb=1 / 1024)
     broadcast_parameters(zero)
     g = zero._gather
-    seen: dict[str, list] = {"first": [], "head": []}  # (received chunks waited for, chunks in flight)
-    model.layers[0].register_forward_pre_hook(lambda *_: seen["first"].append((g.waited, len(g.handles)) if g else 0))
-    model.head.register_forward_pre_hook(lambda *_: seen["head"].append((g.waited, len(g.handles)) if g else 0))
+    seen: dict[str, list] = {"first": [], "mix": [], "head": []}  # (received chunks waited for, chunks in flight)
+    for name, m in (("first", model.layers[0]), ("mix", model.mix), ("head", model.head)):
+        m.register_forward_pre_hook(lambda *_, name=name: seen[name].append((g.waited, len(g.handles)) if g else 0))
     gen = torch.Generator().manual_seed(100 + rank)
     at_step_2 = None
     for step in range(STEPS):
@@ -136,7 +149,8 @@ def _train_gather(rank: int, world: int, stage: int, gather: bool) -> dict:
 
     return {"weights": [temp.detach().clone()] + [p.detach().clone() for p in model.parameters()],
             "at_step_2": at_step_2, "seen": seen, "chunks": [(r, *where(t)) for t, r in g.chunks] if g else [],
-            "first": [where(p) for p in model.layers[0].parameters()], "head": [where(p) for p in model.head.parameters()]}
+            **{name: [where(p) for p in m.parameters()] for name, m in
+               (("first", model.layers[0]), ("mix", model.mix), ("head", model.head))}}
 
 
 def _train_all(rank: int, world: int) -> dict:
@@ -191,7 +205,7 @@ def test_parameter_exchange_overlapped_with_the_next_forward_is_bitwise_the_same
     off = [r[("gather", stage, False)] for r in runs]
     on = [r[("gather", stage, True)] for r in runs]
     for r in range(2):
-        assert len(on[r]["weights"]) == 12
+        assert len(on[r]["weights"]) == 14
         assert all(torch.equal(a, b) for a, b in zip(off[r]["weights"], on[r]["weights"]))
         assert all(torch.equal(a, b) for a, b in zip(on[0]["weights"], on[r]["weights"]))  # replicas agree
         assert on[r]["at_step_2"].keys() == off[r]["at_step_2"].keys()
@@ -227,6 +241,10 @@ def test_parameter_exchange_overlapped_with_the_next_forward_is_bitwise_the_same
     assert not holding(0, "first", 1) and holding(0, "head", 1)
     assert all(on[0]["seen"]["first"][i][0] == 0 for i in overlapped)
     assert all(on[0]["seen"]["head"][i][0] > max(holding(0, "head", 1)) for i in overlapped)
+    # rank 0's mix forward waits for its child's parameters (rank 1's), which the child's own
+    # forward, never called, cannot
+    assert holding(0, "mix", 1)
+    assert all(on[0]["seen"]["mix"][i][0] > max(holding(0, "mix", 1)) for i in overlapped)
 
 
 @pytest.mark.parametrize("zero", [0, 2])

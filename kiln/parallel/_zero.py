@@ -362,7 +362,9 @@ class ZeroOptimizer(Optimizer):
         anything else that reads the parameters between ``step`` and the next forward (an
         EMA, a checkpoint written from the arena) calls :meth:`wait_parameters` first. A
         parameter of the optimizer that is not a parameter of ``module`` is waited for at
-        ``module``'s own forward. Not under ``torch.compile`` (the waits would break its
+        ``module``'s own forward; the parameters of a submodule whose forward is not called
+        (its parent reads ``child.weight`` itself) at the forward of its nearest ancestor
+        that is (learned from the first forward, which nothing is in flight for). Not under ``torch.compile`` (the waits would break its
         graphs): call this on the model before compiling it, or not at all."""
         if self.stage == 0 or self.world == 1:
             return  # nothing is exchanged
@@ -681,37 +683,50 @@ class _Gather:
             if r != self.rank:
                 for i in held:
                     last[i] = k
-        # each submodule waits up to the last received chunk of its own parameters; the root
-        # also for the optimizer's parameters that no submodule holds
+        # each module waits up to the last received chunk of its own parameters; the root also
+        # for the optimizer's parameters that no module holds
+        self.need: dict[int, int] = {}  # id(module) -> the last received chunk its forward needs
+        self.parent: dict[int, int] = {}
         self.hooks: list[Any] = []
-        held: set[int] = set()
+        outside = last.keys() - {id(p) for p in module.parameters()}
         for m in module.modules():
-            own = {id(p) for p in m.parameters(recurse=False)}
-            held |= own
-            need = max((last[i] for i in own if i in last), default=-1)
-            if m is not module and need >= 0:
-                self.hooks.append(m.register_forward_pre_hook(self._hook(need)))
-        root = {id(p) for p in module.parameters(recurse=False)} | (last.keys() - held)
-        self.hooks.append(module.register_forward_pre_hook(self._hook(max((last[i] for i in root if i in last),
-                                                                            default=-1))))
+            own = {id(p) for p in m.parameters(recurse=False)} | (outside if m is module else set())
+            self.need[id(m)] = max((last[i] for i in own if i in last), default=-1)
+            self.parent.update((id(c), id(m)) for c in m.children())
+            self.hooks.append(m.register_forward_pre_hook(self._hook(id(m))))
+        self.called: set[int] | None = set()  # modules whose forward ran before the first exchange
         ref = weakref.ref(self)
         self.hooks.append(module.register_state_dict_pre_hook(lambda *_: (g := ref()) and g.wait()))
         self.hooks.append(module.register_load_state_dict_pre_hook(lambda *_: (g := ref()) and g.wait()))
         self.handles: list[Any] = []
         self.waited = 0  # handles[:waited] are waited for
 
-    def _hook(self, need: int) -> Callable[..., None]:
+    def _hook(self, key: int) -> Callable[..., None]:
         ref = weakref.ref(self)
 
         def hook(_module: torch.nn.Module, _args: Any) -> None:
             gather = ref()
-            if gather is not None and gather.waited <= need < len(gather.handles):
+            if gather is None:
+                return
+            if gather.called is not None:
+                gather.called.add(key)
+            need = gather.need[key]
+            if gather.waited <= need < len(gather.handles):
                 gather.wait(need + 1)
 
         return hook
 
     @torch.no_grad()
     def launch(self) -> None:
+        if self.called:  # the first exchange after a forward: a module that forward never called
+            # holds parameters read some other way (a parent's F.linear(x, child.weight)): its
+            # nearest called ancestor waits for them from now on
+            for key, need in list(self.need.items()):
+                up = key
+                while up not in self.called and up in self.parent:
+                    up = self.parent[up]
+                self.need[up] = max(self.need[up], need)
+            self.called = None
         self.handles = [dist.broadcast(t, group_src=r, group=self.group, async_op=True) for t, r in self.chunks]
         self.waited = 0
 
