@@ -364,8 +364,9 @@ class ZeroOptimizer(Optimizer):
         parameter of the optimizer that is not a parameter of ``module`` is waited for at
         ``module``'s own forward; the parameters of a submodule whose forward is not called
         (its parent reads ``child.weight`` itself) at the forward of its nearest ancestor
-        that is (learned from the first forward, which nothing is in flight for). Not under ``torch.compile`` (the waits would break its
-        graphs): call this on the model before compiling it, or not at all."""
+        that is (learned from the first forward, which nothing is in flight for). Not under
+        ``torch.compile`` (the waits would break its graphs): call this on the model before
+        compiling it, or not at all."""
         if self.stage == 0 or self.world == 1:
             return  # nothing is exchanged
         if self._gather is not None:
@@ -636,11 +637,6 @@ class _Buckets:
         dist.broadcast(t, group_src=0, group=self.group)
         self.order, self.learned = t.tolist(), True
 
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-
 
 # -- parameter exchange overlapped with the next forward -----------------------------------------
 class _Gather:
@@ -649,11 +645,10 @@ class _Gather:
 
     Each arena's shards are cut into chunks of about ``chunk_bytes``; :meth:`launch` issues one
     asynchronous broadcast per chunk from its owner, in the order of first use (below), the
-    same on every rank.
-    Each submodule of ``module`` with parameters of its own gets a forward pre-hook that waits
-    for the received chunks up to the last one holding those parameters (earlier ones too: the
-    wait is in issue order, whatever order they complete in). A rank never waits in a forward
-    for the chunks it sends (its own values are current); :meth:`wait` waits for everything.
+    same on every rank. Every module of ``module`` gets a forward pre-hook that waits for the
+    received chunks up to the last one holding its own parameters (earlier ones too: the wait
+    is in issue order, whatever order they complete in). A rank never waits in a forward for
+    the chunks it sends (its own values are current); :meth:`wait` waits for everything.
     """
 
     def __init__(self, zero: ZeroOptimizer, module: torch.nn.Module, chunk_bytes: int) -> None:
@@ -742,8 +737,3 @@ class _Gather:
             if self.chunks[k][1] != self.rank:
                 self.handles[k].wait()
         self.waited = max(self.waited, upto)
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
