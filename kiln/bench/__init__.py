@@ -24,7 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "memory": ("kiln.bench.memory", "activation memory and step time under activation checkpointing x precision"),
     "dataloader": ("kiln.bench.dataloader", "samples/s and time to first batch of CPU-heavy augmentation: workers=0 vs workers='auto'"),
     "zero": ("kiln.bench.zero", "per-rank bytes of parameters/gradients/optimizer state: data parallel vs ZeRO-1/2/3 at dp=2, 4"),
-    "ddp": ("kiln.bench.ddp", "data parallel, 2 processes x 1 thread: torch DDP + fused AdamW vs kiln sync, overlapped and ZeRO-2 (ViT, small GPT, 25 M GPT): samples/s, comm ms/step, share hidden by backward"),
+    "ddp": ("kiln.bench.ddp", "data parallel, 2 processes x 1 thread: torch DDP + fused AdamW vs kiln sync, overlapped and ZeRO-2 (ViT, small GPT, 25 M GPT): samples/s, comm ms/step, share hidden by compute"),
     "hf": ("kiln.bench.hf", "a Hugging Face GPT-2 trained by kiln train (fp32, compile, bf16-mixed) vs the transformers Trainer: samples/s"),
     "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT, or --family llama (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
     "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, compile, batch, bf16-true"),
