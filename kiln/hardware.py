@@ -4,6 +4,10 @@ kiln's speed claims depend on the hardware: bf16 is fast where the CPU has AVX-5
 AMX (or the GPU has bf16 units) and several times slower than fp32 where it is emulated.
 Benchmarks record :func:`machine_info` in their JSON and print :func:`machine_line` above
 their tables, so that every figure says which machine it came from.
+
+``KILN_BF16=native`` or ``KILN_BF16=emulated`` in the environment overrides what the CPU says
+about bf16, so one machine can run the suite as the other kind would (CI does both); it changes
+kiln's choices (``train.precision=auto``, the emulation warning), not what the hardware does.
 """
 
 from __future__ import annotations
@@ -37,14 +41,39 @@ def _cpu_query(name: str) -> bool:
         return False
 
 
-@functools.cache
+BF16_OVERRIDE = "KILN_BF16"
+_OVERRIDES = {"native": True, "emulated": False}
+
+
+def bf16_override() -> bool | None:
+    """What ``KILN_BF16`` says about the CPU's bf16 (True: native, False: emulated), or None
+    where it is unset."""
+    value = os.environ.get(BF16_OVERRIDE, "").strip().lower()
+    if not value:
+        return None
+    if value not in _OVERRIDES:
+        raise ValueError(f"{BF16_OVERRIDE}={os.environ[BF16_OVERRIDE]!r} is not understood: set it to "
+                         f"'native' or 'emulated', or unset it to use what the CPU reports")
+    return _OVERRIDES[value]
+
+
 def cpu_capability() -> dict[str, Any]:
     """The CPU's vector units as torch sees them.
 
     ``capability`` is what torch's kernels were dispatched to (``DEFAULT``, ``AVX2``,
     ``AVX512``, ...); ``native_bf16`` is true where bf16 matrix multiplies run on hardware
-    (AVX-512-BF16 or AMX), not emulated through fp32.
+    (AVX-512-BF16 or AMX), not emulated through fp32, unless ``KILN_BF16`` says otherwise
+    (``bf16_overridden`` then says so).
     """
+    caps = dict(_cpu_capability())
+    override = bf16_override()
+    if override is not None:
+        caps["native_bf16"], caps["bf16_overridden"] = override, True
+    return caps
+
+
+@functools.cache
+def _cpu_capability() -> dict[str, Any]:
     flags = {
         "avx2": _cpu_query("_is_avx2_supported"),
         "avx512": _cpu_query("_is_avx512_supported"),
@@ -57,6 +86,7 @@ def cpu_capability() -> dict[str, Any]:
         **flags,
         "native_bf16": flags["avx512_bf16"] or flags["amx"],
         "native_fp16": flags["amx_fp16"],
+        "bf16_overridden": False,
     }
 
 
@@ -81,6 +111,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_capability": caps["capability"],
         "native_bf16": caps["native_bf16"],
+        **({"bf16_overridden": True} if caps.get("bf16_overridden") else {}),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -96,6 +127,8 @@ def machine_line(info: dict[str, Any] | None = None) -> str:
     """One line for a table header: CPU, capability, bf16, threads, torch."""
     info = info or machine_info()
     bf16 = "native bf16" if info["native_bf16"] else "bf16 emulated"
+    if info.get("bf16_overridden"):
+        bf16 += f" by {BF16_OVERRIDE}"
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     return (f"{info['cpu']} ({info['cpu_capability']}, {bf16}), {info['threads']} thread(s) of "
             f"{info['cpu_count']} cores, torch {info['torch']}{gpu}")

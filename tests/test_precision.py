@@ -228,7 +228,7 @@ def _cpu_reports(monkeypatch, native_bf16: bool) -> None:
 
     caps = {"capability": "AVX512" if native_bf16 else "AVX2", "avx2": True, "avx512": native_bf16,
             "avx512_bf16": native_bf16, "amx": False, "amx_fp16": False, "native_bf16": native_bf16,
-            "native_fp16": False}
+            "native_fp16": False, "bf16_overridden": False}
     monkeypatch.setattr(kiln.hardware, "cpu_capability", lambda: caps)
     monkeypatch.setattr(kiln.precision, "_warned", set())  # a fresh process: nothing warned yet
 
