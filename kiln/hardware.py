@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kiln.errors import ConfigError
+
 
 @functools.cache
 def cpu_model() -> str:
@@ -52,7 +54,7 @@ def bf16_override() -> bool | None:
     if not value:
         return None
     if value not in _OVERRIDES:
-        raise ValueError(f"{BF16_OVERRIDE}={os.environ[BF16_OVERRIDE]!r} is not understood: set it to "
+        raise ConfigError(f"{BF16_OVERRIDE}={os.environ[BF16_OVERRIDE]!r} is not understood: set it to "
                          f"'native' or 'emulated', or unset it to use what the CPU reports")
     return _OVERRIDES[value]
 

@@ -522,6 +522,10 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.loggers includes tensorboard, but the tensorboard package is not installed; "
                               "pip install 'kiln[tensorboard]' or remove it from train.loggers")
+    if train["precision"] == "auto":
+        from kiln.hardware import bf16_override
+
+        bf16_override()  # KILN_BF16 set to something it does not know: said now, not in every worker
     if cfg["optim"]["impl"] != "kiln" and (train["precision"] == "bf16-true" or cfg["parallel"]["zero"] in (1, 2)):
         what = "train.precision=bf16-true" if train["precision"] == "bf16-true" else f"parallel.zero={cfg['parallel']['zero']}"
         raise ConfigError(f"{what} works on kiln's arena, which optim.impl={cfg['optim']['impl']} (torch.optim's "
