@@ -25,6 +25,13 @@ Dropout inside a checkpointed block draws the same mask in the recompute as in t
 original forward (``preserve_rng_state=True``), so gradients are bitwise equal to those
 of the unwrapped model.
 
+A transformers model keeps a key/value cache (``config.use_cache``, on by default) that each
+block appends to: recomputed in backward, a block would append a second time, and the
+recompute sees other shapes (a padded batch's mask no longer matches; T5 saves another number
+of tensors). So while blocks are checkpointed, the model's training forwards with gradients run
+with ``use_cache=False``, as transformers' own gradient checkpointing does; evaluation and
+generation keep the cache, and the model's config is left as it was.
+
     >>> import torch
     >>> from kiln.models import create_model
     >>> model = create_model("vit", depth=4, dropout=0.1)
@@ -39,6 +46,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import inspect
+
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -67,6 +77,40 @@ class _CheckpointedForward:
         )
 
 
+def _no_cache_while_training(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a cached model under checkpointing: no key/value cache in a training
+    forward that records gradients (the blocks' recompute would update it a second time)."""
+    if module.training and torch.is_grad_enabled():
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _cached_models(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules of ``model`` that keep a key/value cache: a ``config.use_cache``
+    and a forward that takes ``use_cache`` (a transformers model, or one inside a user's)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
+            continue  # inside one already found: the outer model passes use_cache down
+        if not hasattr(getattr(module, "config", None), "use_cache"):
+            continue
+        try:
+            takes = "use_cache" in inspect.signature(type(module).forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            found.append((name, module))
+    return [m for _, m in found]
+
+
+def _remove_cache_hooks(model: nn.Module) -> None:
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if hook is _no_cache_while_training:
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
 def _blocks(model: nn.Module, path: str | None = None) -> nn.ModuleList | nn.Sequential:
     from kiln.models import repeated_blocks
 
@@ -86,6 +130,7 @@ def remove_ac(model: nn.Module) -> None:
     for module in model.modules():
         if _is_checkpointed(module):
             del module.forward  # the class's forward shows through again
+    _remove_cache_hooks(model)
 
 
 def checkpointed_blocks(model: nn.Module, blocks: str | None = None) -> list[int]:
@@ -120,4 +165,6 @@ def apply_ac(model: nn.Module, mode: str = "full", every: int = 2, blocks: str |
         # An instance attribute shadows the class's forward; nn.Module.__call__ looks up
         # self.forward, so hooks still run around the checkpointed call.
         found[i].forward = _CheckpointedForward(found[i])
+    for cached in _cached_models(model):
+        cached.register_forward_pre_hook(_no_cache_while_training, with_kwargs=True)
     return chosen

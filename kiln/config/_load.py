@@ -178,10 +178,24 @@ def _has_node(value: Any) -> bool:
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
+    """What ``fn`` accepts: the signature of the function it wraps (for names and types), open
+    to any keyword where the wrapper itself takes ``**kwargs``. transformers 5 configs wrap a
+    dataclass ``__init__`` so that it also takes ``num_labels=``, ``decoder_start_token_id=``,
+    ...: the wrapped signature alone would refuse them."""
     try:
-        return inspect.signature(fn)
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None  # a builtin without a signature: nothing to check
+    var_kw = inspect.Parameter.VAR_KEYWORD
+    if any(p.kind is var_kw for p in sig.parameters.values()):
+        return sig
+    try:
+        outer = inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return sig
+    if any(p.kind is var_kw for p in outer.parameters.values()):
+        sig = sig.replace(parameters=[*sig.parameters.values(), inspect.Parameter("kwargs", var_kw)])
+    return sig
 
 
 def _check_signature(values: dict[str, Any], fn: Any, where: str, skip: tuple[str, ...] = (),

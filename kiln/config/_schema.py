@@ -25,10 +25,14 @@ class DataConfig:
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead; None: torch's 2
     drop_last: bool = True  # drop the samples an epoch leaves after its whole global batches; false: a short last step
     collate_fn: Any = None  # L(fn)(...) or "pkg.module.fn": merges samples into a batch; None: torch's default
-    # what the batches are, for the default loss and metrics; None: the registered data set's
-    # own, or (a data._target_) from the first batch: one target per sample is classification,
-    # one per token lm (mlm: lm with -100 where nothing is masked)
-    task: Optional[Literal["classification", "lm", "mlm"]] = None
+    # what the batches are, for the default loss, how targets line up with logits, and the
+    # metrics: classification | lm (causal: a mapping's labels are its inputs, token t predicts
+    # t + 1) | mlm (masked: each position against its own label, -100 where nothing is masked) |
+    # seq2seq (an encoder-decoder's decoder labels, each position its own); None: the model's
+    # class says (transformers' *ForCausalLM, *ForMaskedLM, an encoder-decoder's
+    # *ForConditionalGeneration, *ForSequenceClassification), else the registered data set's own,
+    # else the first batch (one target per sample is classification, one per token lm)
+    task: Optional[Literal["classification", "lm", "mlm", "seq2seq"]] = None
 
 
 @dataclass
@@ -98,8 +102,11 @@ class TrainConfig:
     # such callables); None: the loss the model returns, else the task's cross-entropy on logits
     loss: Any = None
     # {name: L(fn)(...)} with fn(outputs, batch, **kwargs) -> the batch's mean value, averaged
-    # over the validation set by samples; None: the task's (accuracy; lm and mlm: + perplexity)
+    # over the validation set by samples; None: the task's (accuracy; lm, mlm, seq2seq: + perplexity)
     metrics: Optional[dict] = None
+    # call the model as model(inputs, targets) on tuple batches, for a forward that takes the
+    # targets and returns the loss (nanoGPT's forward(idx, targets) -> (logits, loss))
+    pass_targets: bool = False
 
 
 @dataclass

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 __all__ = ["DataSplits", "register_dataset", "build_dataset", "list_datasets", "dataset_signature"]
 
-_TASKS = ("classification", "lm", "mlm")
+_TASKS = ("classification", "lm", "mlm", "seq2seq")
 
 
 @dataclass

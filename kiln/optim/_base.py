@@ -75,6 +75,7 @@ from torch.optim.optimizer import (
 
 from kiln.optim._arena import Arena, ArenaSlice
 from kiln.optim._rules import TensorList
+from kiln.optim._norms import tensor_norms
 
 _EAGER_ENV = "KILN_OPTIM_EAGER"
 _data_ptr = torch.Tensor.data_ptr
@@ -992,7 +993,7 @@ def _list_norms(ts: list[torch.Tensor]) -> torch.Tensor:
     """(S,) L2 norm of each tensor of a list (fp32 for 16-bit tensors)."""
     if not ts:
         return torch.zeros(0)
-    return torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(ts[0].dtype)))
+    return tensor_norms(ts, 2, dtype=_norm_dtype(ts[0].dtype))  # (a shard of an embedding can be long)
 
 
 def _is_process_group(group: Any) -> bool:

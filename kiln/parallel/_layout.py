@@ -77,19 +77,37 @@ class Parallel:
         loss = loss.detach()
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
-    def eval_forward(self, model: nn.Module) -> Callable[[Any], Any]:
-        """``forward(inputs) -> whole logits`` for evaluation, ``inputs`` a tensor or a mapping
-        of keyword arguments (a Hugging Face batch): through the pipeline (None on ranks without
-        the last stage), or the model with tensor-parallel logits gathered."""
+    def sum_over_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the data-parallel ranks (itself with one)."""
+        if self.dp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.dp_group)
+        return x
+
+    def eval_forward(self, model: nn.Module) -> Callable[..., Any]:
+        """A stand-in for ``model(...)`` in evaluation, called as the model is (a mapping batch
+        as keyword arguments): through the pipeline (None on ranks without the last stage), or
+        the model with tensor-parallel logits gathered and its own loss a plain tensor."""
         if self.pipeline is not None:
-            def through_pipeline(inputs: Any) -> Any:
-                if isinstance(inputs, Mapping):
+            def through_pipeline(*args: Any, **kwargs: Any) -> Any:
+                if kwargs:
                     raise TypeError("a pipeline (parallel.pp > 1) takes batches (inputs, targets); this data gives "
-                                    f"mappings ({', '.join(inputs)}): use a dataset of tuples, or parallel.pp=1")
-                return self.pipeline.forward(inputs)
+                                    f"mappings ({', '.join(kwargs)}): use a dataset of tuples, or parallel.pp=1")
+                return self.pipeline.forward(args[0])
 
             return through_pipeline
-        return lambda inputs: self.logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
+
+        def through_model(*args: Any, **kwargs: Any) -> Any:
+            # a model that computes its own loss (labels in a mapping) does it on the
+            # vocabulary-sharded logits: inside the loss context, as in training
+            with self.loss_context():
+                outputs = model(*args, **kwargs)
+            if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+                outputs["loss"] = self.value(outputs["loss"])
+            return self.logits(outputs)
+
+        return through_model
 
     def share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The metrics of the rank that computed them (the last pipeline stage) on every rank."""

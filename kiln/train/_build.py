@@ -178,15 +178,17 @@ def _torch_format(dataset: Any) -> Any:
     return dataset
 
 
-def build_task(cfg: Any, data: "Data") -> Any:
-    """The run's :class:`~kiln.train._tasks.Task`: the data's kind, ``train.loss`` and
-    ``train.metrics`` built from the config."""
+def build_task(cfg: Any, data: "Data", model: nn.Module) -> Any:
+    """The run's :class:`~kiln.train._tasks.Task`: its kind (``data.task`` when set, else what
+    the model's class declares, else the data's), ``train.loss`` and ``train.metrics`` built
+    from the config."""
     from kiln.config import build_callable
-    from kiln.train._tasks import Task
+    from kiln.train._tasks import Task, model_kind
 
     metrics = cfg.train.metrics
-    return Task(kind=data.task, loss=build_callable(cfg.train.loss),
-                metrics=None if metrics is None else {k: build_callable(v) for k, v in metrics.items()})
+    return Task(kind=cfg.data.task or model_kind(model) or data.task, loss=build_callable(cfg.train.loss),
+                metrics=None if metrics is None else {k: build_callable(v) for k, v in metrics.items()},
+                pass_targets=cfg.train.pass_targets)
 
 
 # --------------------------------------------------------------------------- optimizer

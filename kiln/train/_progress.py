@@ -56,6 +56,12 @@ class Progress:
                 print(f"step {step}/{self.total}  {info}  eta {_fmt_seconds(eta)}", file=self.stream, flush=True)
                 self._last_line = now
 
+    def restart_clock(self, step: int) -> None:
+        """Estimate the time left from the steps after ``step`` only (after a compiling step)."""
+        self._start, self.initial = time.perf_counter(), step
+        if self.mode == "bar":
+            self._bar.reset(self._task, total=self.total, completed=step)
+
     def message(self, text: str) -> None:
         if self.mode == "bar":
             self._bar.console.print(text)

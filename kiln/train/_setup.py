@@ -63,6 +63,7 @@ class Meter:
     window_samples: int = 0  # samples_seen when the window opened
     samples_seen: int = 0
     train_seconds: float = 0.0  # time in steps, without evaluation, logging and compiling
+    timed_samples: int = 0  # the samples of those steps (not the compiling first step's)
     elapsed_before: float = 0.0  # wall time of the runs this one resumes
     wall_start: float = field(default_factory=time.perf_counter)
     window_start: float = field(default_factory=time.perf_counter)
@@ -74,17 +75,23 @@ class Meter:
     def wall_seconds(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.wall_start
 
+    def restart_clock(self) -> None:
+        """Time the open window from now, without the samples seen so far (after compiling)."""
+        self.window_start, self.window_samples = time.perf_counter(), self.samples_seen
+
     def state_dict(self) -> dict[str, Any]:
         return {"window": {"loss": self.window_loss.item(), "steps": self.window_steps},
                 "totals": {"train_seconds": self.train_seconds, "samples_seen": self.samples_seen,
-                           "wall_seconds": self.wall_seconds()}}
+                           "timed_samples": self.timed_samples, "wall_seconds": self.wall_seconds()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        totals = state["totals"]
         self.window_loss += state["window"]["loss"]
         self.window_steps = state["window"]["steps"]
-        self.train_seconds = state["totals"]["train_seconds"]
-        self.samples_seen = self.window_samples = state["totals"]["samples_seen"]
-        self.elapsed_before = state["totals"]["wall_seconds"]
+        self.train_seconds = totals["train_seconds"]
+        self.samples_seen = self.window_samples = totals["samples_seen"]
+        self.timed_samples = totals.get("timed_samples", self.samples_seen)  # (checkpoints before it)
+        self.elapsed_before = totals["wall_seconds"]
 
 
 @dataclass
@@ -113,6 +120,7 @@ class Run:
     total_steps: int
     start_step: int
     compile_seconds: float | None = None
+    owns_group: bool = False  # setup started the process group: the run ends it
     last_train_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
 
@@ -135,6 +143,10 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    import torch.distributed as dist
+
+    # a process group the caller made (its own script, a test) stays up after the run
+    owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world = init_distributed(cfg.parallel.timeout_s)
     layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
     coords = layout.coords(rank)  # this rank's place: {"pp": .., "dp": .., "tp": ..}
@@ -146,7 +158,9 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     if resume is not None and rank == 0:
         out = RunDir.open(Path(resume))  # locked first: RunDirBusy if another process writes it
     try:
-        return _setup(cfg, name, resume, run_dir, out, meter_start, rank, world, layout, coords, device)
+        run = _setup(cfg, name, resume, run_dir, out, meter_start, rank, world, layout, coords, device)
+        run.owns_group = owns_group and world > 1
+        return run
     except BaseException:
         if out is not None:
             out.close()  # rewrote nothing: the run keeps the summary it had
@@ -167,7 +181,6 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
     data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
                       rank=coords["dp"], world_size=dp)
-    task = build_task(cfg, data)
     per_epoch = steps_per_epoch(data.train, tc.accumulate)
     _check_steps(cfg, data, layout, per_epoch)
     with deferred_weights():  # kiln.hf.from_pretrained: parameters on meta, its weights read once laid out
@@ -177,6 +190,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         load_inner_weights(model)  # from_pretrained inside a module of the user's: read whole, now
     model = _to(model, device, precision.param_dtype)
     check_model(cfg, model)
+    task = build_task(cfg, data, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac

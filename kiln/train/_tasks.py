@@ -9,11 +9,32 @@ called as ``model(inputs)`` on a tuple and as ``model(**batch)`` on a mapping, a
 - a mapping or ``ModelOutput`` with ``loss`` and/or ``logits``,
 - a tuple whose first element is one of these (``return_dict=False``: ``(loss, logits, ...)``).
 
+- a tuple holding logits and a loss in any order (``(loss, logits, ...)`` with
+  ``return_dict=False``, nanoGPT's ``(logits, loss)``): the loss is its 0-d tensor, the logits
+  its first tensor of more dimensions.
+
+With ``train.pass_targets=true`` a tuple batch ``(inputs, targets)`` is called as
+``model(inputs, targets)``, for models whose forward takes the targets and returns the loss
+(nanoGPT's ``forward(idx, targets=None)``).
+
 The loss of a micro-batch is, in this order: ``train.loss(outputs, batch)`` when the config
 sets one, the loss the model returned, or the task's cross-entropy of the logits against the
-targets (a tuple's second element, a mapping's ``labels``). A mapping follows the Hugging
-Face convention for language modelling: ``labels`` are the input ids themselves, and token t
-predicts label t + 1 (kiln's own lm data gives targets already shifted).
+targets (a tuple's second element, a mapping's ``labels``).
+
+The task decides how targets line up with logits, and the metrics (:func:`model_kind`):
+
+- ``lm``, a causal language model: a mapping follows the Hugging Face convention, ``labels``
+  are the input ids themselves and token t predicts label t + 1 (kiln's own lm data gives
+  tuple targets already shifted); without ``labels`` the input ids are the targets;
+- ``mlm`` (masked LM) and ``seq2seq`` (an encoder-decoder's decoder targets): each position is
+  scored against its own label;
+- ``classification``: one label per sample (or per token, for token classification).
+
+A loss over tokens averages over the positions it scores (labels other than -100); with
+padding those differ from batch to batch, so the micro-batches of a step are weighted by the
+positions each scores (:func:`loss_weights`), over every micro-batch and data-parallel rank of
+the step: the step is then one big batch's, as transformers' Trainer does with
+``num_items_in_batch``.
 """
 
 from __future__ import annotations
@@ -27,15 +48,17 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE = -100  # cross_entropy's ignore_index: mlm positions that were not masked, padding
+KINDS = ("classification", "lm", "mlm", "seq2seq")
 
 
 @dataclass
 class Task:
     """The loss and metrics of a run: the data's kind plus what the config plugs in."""
 
-    kind: str | None  # "classification", "lm", "mlm", or None: unknown (the loss alone is reported)
+    kind: str | None  # one of KINDS, or None: unknown (the loss alone is reported)
     loss: Callable[[Any, Any], torch.Tensor] | None = None  # train.loss
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None  # train.metrics; None: the kind's
+    pass_targets: bool = False  # train.pass_targets: a tuple batch is called model(inputs, targets)
 
     def metric_names(self) -> list[str]:
         """The eval metrics this task reports, ``loss`` first."""
@@ -44,39 +67,80 @@ class Task:
         names = ["loss"]
         if self.kind is not None:
             names.append("accuracy")
-        if self.kind in ("lm", "mlm"):
+        if self.kind in ("lm", "mlm", "seq2seq"):
             names.append("perplexity")
         return names
 
 
-def call_model(model: Callable[..., Any], batch: Any) -> Any:
-    """``model(**batch)`` for a mapping, ``model(inputs)`` for a tuple ``(inputs, ...)``."""
+# transformers' heads by the end of their class's name (an encoder-decoder's
+# ForConditionalGeneration is seq2seq; a decoder-only one, a vision-language model, is causal)
+_HEADS = (("ForMaskedLM", "mlm"), ("ForSeq2SeqLM", "seq2seq"), ("ForCausalLM", "lm"), ("LMHeadModel", "lm"),
+          ("ForConditionalGeneration", "lm"), ("ForSequenceClassification", "classification"),
+          ("ForTokenClassification", "classification"), ("ForImageClassification", "classification"),
+          ("ForMultipleChoice", "classification"))
+
+
+def model_kind(model: Any) -> str | None:
+    """The task a model's class declares, transformers' way: ``*ForCausalLM`` and
+    ``*LMHeadModel`` are ``lm``, ``*ForMaskedLM`` ``mlm``, an encoder-decoder's
+    ``*ForConditionalGeneration`` ``seq2seq``, ``*For*Classification`` ``classification``;
+    None for any other model (kiln then goes by the data, or ``data.task``).
+
+    >>> class GPT2LMHeadModel(nn.Module): ...
+    >>> model_kind(GPT2LMHeadModel()), model_kind(nn.Linear(2, 2))
+    ('lm', None)
+    """
+    name = type(model).__name__
+    for suffix, kind in _HEADS:
+        if name.endswith(suffix):
+            if kind == "lm" and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+                return "seq2seq"
+            return kind
+    return None
+
+
+def call_model(model: Callable[..., Any], batch: Any, pass_targets: bool = False) -> Any:
+    """``model(**batch)`` for a mapping, ``model(inputs)`` for a tuple ``(inputs, ...)``
+    (``model(inputs, targets)`` with ``pass_targets``)."""
     if isinstance(batch, Mapping):
         return model(**batch)
+    if pass_targets and len(batch) > 1:
+        return model(batch[0], batch[1])
     return model(batch[0])
 
 
 def split_outputs(outputs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(loss, logits)`` of whatever the model returned (either may be None)."""
+    """``(loss, logits)`` of whatever the model returned (either may be None). In a tuple the
+    loss is found by what it is, a 0-d tensor, wherever it stands; the logits are its first
+    tensor of more dimensions."""
     if isinstance(outputs, torch.Tensor):
         return (outputs, None) if outputs.ndim == 0 else (None, outputs)
     if isinstance(outputs, Mapping):  # transformers' ModelOutput is an OrderedDict
         return outputs.get("loss"), outputs.get("logits")
     if isinstance(outputs, (tuple, list)) and outputs:
-        loss, logits = split_outputs(outputs[0])
-        if loss is not None and logits is None and len(outputs) > 1 and isinstance(outputs[1], torch.Tensor):
-            logits = outputs[1]  # (loss, logits, ...)
+        if not isinstance(outputs[0], torch.Tensor) and outputs[0] is not None:
+            return split_outputs(outputs[0])  # ({"logits": ...}, ...)
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        loss = next((t for t in tensors if t.ndim == 0), None)
+        logits = next((t for t in tensors if t.ndim > 0), None)
         return loss, logits
     raise TypeError(
         f"the model returned {type(outputs).__name__}; kiln takes logits (a tensor), a mapping or ModelOutput "
-        "with 'loss' and/or 'logits', or a tuple whose first element is one of these. Return one of those, "
+        "with 'loss' and/or 'logits', or a tuple of a 0-d loss and/or logits. Return one of those, "
         "or set train.loss to a function (outputs, batch) -> loss")
 
 
-def targets_of(batch: Any) -> torch.Tensor | None:
-    """A tuple's second element, a mapping's ``labels``, or None."""
+def targets_of(batch: Any, kind: str | None = None) -> torch.Tensor | None:
+    """A tuple's second element, a mapping's ``labels``, or None; a causal LM's mapping
+    without ``labels`` is scored against its ``input_ids`` (padding, where ``attention_mask``
+    is 0, not scored)."""
     if isinstance(batch, Mapping):
-        return batch.get("labels")
+        labels = batch.get("labels")
+        ids = batch.get("input_ids")
+        if labels is None and kind == "lm" and isinstance(ids, torch.Tensor) and ids.ndim == 2:
+            mask = batch.get("attention_mask")
+            return ids if mask is None else ids.masked_fill(mask == 0, IGNORE)
+        return labels
     return batch[1] if len(batch) > 1 else None
 
 
@@ -112,25 +176,71 @@ def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     """Mean cross-entropy; logits (B, C) for classification, (B, T, V) for lm and mlm.
 
     Targets equal to -100 (cross_entropy's ignore_index) are not scored."""
+    if logits.shape[:-1].numel() != targets.numel():
+        from kiln.errors import ConfigError
+
+        raise ConfigError(
+            f"the model's logits {tuple(logits.shape)} do not line up with the batch's targets {tuple(targets.shape)}: "
+            "kiln scores one row of logits per target. If the model's forward takes the targets (nanoGPT's "
+            "forward(idx, targets) returns only the last position's logits without them), set "
+            "train.pass_targets=true; or return the loss from the model, or set train.loss")
     return F.cross_entropy(upcast(logits.flatten(0, -2)), targets.flatten())
+
+
+def _shifted(task: Task, batch: Any) -> bool:
+    """Whether a batch's targets are its inputs (a causal LM's mapping: token t predicts t + 1)."""
+    return task.kind == "lm" and isinstance(batch, Mapping)
 
 
 def _aligned(task: Task, batch: Any, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and the targets they predict: a mapping's lm labels are the inputs (shift by one)."""
-    if task.kind == "lm" and isinstance(batch, Mapping):
+    if _shifted(task, batch):
         return logits[:, :-1], targets[:, 1:]
     return logits, targets
 
 
+def scored_items(task: Task, batch: Any) -> int | None:
+    """The positions a micro-batch's mean loss averages over, where that is not its samples:
+    the targets a token-level loss scores (neither -100 nor, for a causal LM, the first
+    position); None where the loss is a mean over samples (one label each, float targets,
+    ``train.loss``, no targets)."""
+    if task.loss is not None:
+        return None
+    targets = targets_of(batch, task.kind)
+    if targets is None or targets.ndim < 2 or targets.is_floating_point():
+        return None
+    if _shifted(task, batch):
+        targets = targets[:, 1:]
+    return int((targets != IGNORE).sum())
+
+
+def loss_parts(task: Task, micro: list[Any], samples: int, dp: int,
+               sum_over_dp: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> list[Any]:
+    """What each micro-batch's mean loss is divided by, so that the step's gradient, averaged
+    over the ``dp`` ranks, is that of the mean over the whole step, as one big batch would give:
+    ``N / (n_i * dp)`` with ``n_i`` the micro-batch's samples and ``N`` the step's
+    (``samples``), or, for a loss over tokens, its scored positions and the step's, summed over
+    the ranks (``sum_over_dp``: one all-reduce of one number, kept on the device). Exactly K
+    when each of K micro-batches holds ``samples / (K x dp)`` samples.
+
+    A micro-batch that scores no position has a mean of 0/0 (nan), in kiln as in a plain loop:
+    pad no batch completely."""
+    items = [scored_items(task, b) for b in micro]
+    if any(n is None for n in items):  # (the same on every rank: it depends on the data's form)
+        return [samples / (batch_size(b) * dp) for b in micro]
+    total = sum_over_dp(torch.tensor(float(sum(items)), dtype=torch.float64, device=device))
+    return [total / (n * dp) for n in items]
+
+
 def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch.Tensor:
     """The mean loss of ``model`` on one (micro-)batch already on the device (see the module)."""
-    outputs = call_model(model, batch)
+    outputs = call_model(model, batch, task.pass_targets)
     if task.loss is not None:
         loss = task.loss(outputs, batch)
     else:
         loss, logits = split_outputs(outputs)
         if loss is None:
-            targets = targets_of(batch)
+            targets = targets_of(batch, task.kind)
             if logits is None or targets is None:
                 raise ValueError(
                     "the model returned no loss, and kiln found no " + ("logits" if logits is None else "targets")
@@ -144,25 +254,25 @@ def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch
 
 
 def evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device,
-             dtype: torch.dtype = torch.float32, forward: Callable[[torch.Tensor], Any] | None = None,
+             dtype: torch.dtype = torch.float32, forward: Callable[..., Any] | None = None,
              share: Callable[[dict[str, float]], dict[str, float]] | None = None,
              grad: bool = False) -> dict[str, float]:
-    """The task's metrics over the whole loader under inference mode, each summed per sample
-    (per scored token for losses on logits), so the last, smaller batch counts with its true
-    weight.
+    """The task's metrics over the whole loader under ``torch.no_grad``, each summed per sample
+    (per scored token for losses over tokens), so the last, smaller batch counts with its true
+    weight. (Not inference mode: tensor-parallel DTensors, and a model's own loss on them,
+    do not run under it.)
 
-    ``forward(inputs) -> outputs`` replaces ``model(inputs)`` (``inputs``: a tuple batch's first
-    element, or a mapping batch whole; a pipeline returns None on ranks without the last
-    stage, which then only feed it); ``share(metrics)``
+    ``forward`` stands in for ``model`` and is called as the model is (a pipeline returns None
+    on ranks without the last stage, which then only feed it); ``share(metrics)``
     hands the metrics of the rank that computed them to every rank. ``grad=True``
     (``train.eval_grad``) leaves autograd on, as a hand-written loop without ``no_grad`` does:
     each batch's forward records its graph, freed at the next batch; only for measuring that."""
-    with torch.inference_mode(not grad):
+    with torch.set_grad_enabled(grad):
         return _evaluate(task, model, loader, device, dtype, forward, share)
 
 
 def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, dtype: torch.dtype,
-              forward: Callable[[torch.Tensor], Any] | None,
+              forward: Callable[..., Any] | None,
               share: Callable[[dict[str, float]], dict[str, float]] | None) -> dict[str, float]:
     was_training = model.training
     model.eval()
@@ -177,13 +287,10 @@ def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, d
     fed_only = False  # a pipeline rank without the last stage: it computes no metric
     for batch in loader:
         batch = to_device(batch, device, dtype)
-        if forward is not None:
-            outputs = forward(batch if isinstance(batch, Mapping) else batch[0])
-            if outputs is None:
-                fed_only = True
-                continue
-        else:
-            outputs = call_model(model, batch)
+        outputs = call_model(forward or model, batch, task.pass_targets)
+        if outputs is None:
+            fed_only = True
+            continue
         n = batch_size(batch)
         if task.loss is None:
             loss, logits = split_outputs(outputs)
@@ -193,7 +300,7 @@ def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, d
                 logits = split_outputs(outputs)[1]
             except TypeError:
                 logits = None
-        targets, weight = targets_of(batch), n
+        targets, weight = targets_of(batch, task.kind), n
         if targets is not None:
             if logits is not None:
                 logits, targets = _aligned(task, batch, logits, targets)
@@ -203,11 +310,11 @@ def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, d
             targets = targets.flatten()
             scored = targets != IGNORE  # mlm and padding: only the scored positions count
             if task.loss is None:
-                weight = scored.sum()  # a loss on logits averages over the scored positions
+                weight = scored.sum()  # a loss over tokens averages over the scored positions
             if logits is not None:
                 if loss is None:
                     add("loss", F.cross_entropy(logits, targets, reduction="sum"), weight)
-                if task.metrics is None:
+                if task.metrics is None and not targets.is_floating_point():  # (regression: no accuracy)
                     add("accuracy", ((logits.argmax(-1) == targets) & scored).sum(), scored.sum())
         if loss is not None:  # the model's (or train.loss's) mean, weighted by what it averaged over
             add("loss", loss.detach() * weight, weight)

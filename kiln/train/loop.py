@@ -43,7 +43,7 @@ from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
 from kiln.train._run_dir import CHECKPOINTS, CONFIG, stopped_by
 from kiln.train._setup import Run, peak_memory_mb, setup
-from kiln.train._tasks import batch_size, evaluate, micro_batch_loss, to_device
+from kiln.train._tasks import evaluate, loss_parts, micro_batch_loss, to_device
 
 # what ``kiln train`` (kiln/cli.py) needs around a run: checks before a resume, the one-writer
 # lock's refusal and its hand-over to the launcher's workers, and how a stop is told apart
@@ -80,15 +80,19 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         run.model.train()
         for step in range(run.start_step + 1, run.total_steps + 1):
             started = time.perf_counter()
+            lr = run.scheduler.get_last_lr()[0]  # the rate this step runs at (the scheduler steps in it)
             loss, grad_norm = train_step(run, next(run.batches))
             if tc.compile and step == run.start_step + 1:
-                run.compile_seconds = time.perf_counter() - started  # reported apart from step time
+                # the compiling first step is reported apart: speed and the ETA start after it
+                run.compile_seconds = time.perf_counter() - started
+                run.meter.restart_clock()
+                run.progress.restart_clock(step)
             run.meter.window_loss += loss
             run.meter.window_steps += 1
 
             row: dict[str, Any] = {}
             if step % tc.log_every == 0 or step == run.total_steps:
-                row.update(_train_metrics(run, step, grad_norm))
+                row.update(_train_metrics(run, lr, grad_norm))
             if (tc.eval_every and step % tc.eval_every == 0) or step == run.total_steps:
                 row.update(_evaluate(run))
                 # after each evaluation, in this order: best checkpoint, then early stopping
@@ -120,7 +124,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         run.out.close()
         for logger in run.loggers:
             logger.close()
-        if run.world > 1:
+        if run.owns_group:
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -131,6 +135,11 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     not yet averaged over ranks) and the gradient norm before clipping (None without clipping)."""
     precision, par, optimizer, dp = run.precision, run.par, run.optimizer, run.layout.dp
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    # Each micro-batch's mean loss is divided by its part of the step: by its share of the
+    # step's samples, or, for a loss over tokens (padding, -100 labels), of the positions the
+    # whole step scores over every rank, so that the sum over micro-batches (averaged over dp)
+    # is the mean over the step, as one big batch would give.
+    parts = loss_parts(run.task, step.micro, step.samples, dp, par.sum_over_dp, run.device)
     # 1. forward and backward of each micro-batch; gradients accumulate locally, except that the
     #    last backward starts reducing each bucket of gradients over dp as soon as it is complete
     for i, batch in enumerate(step.micro):  # a tuple (inputs, targets, ...) or a mapping (HF: input_ids, ...)
@@ -143,11 +152,7 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
                 loss = par.pipeline.step(batch[0], batch[1])
         else:
             with precision.autocast(), par.loss_context():
-                # Weighted by its share of the step's samples, a micro-batch's mean loss sums
-                # (and, averaged over the dp ranks, averages) to the mean over the whole step:
-                # divided by exactly K when all hold data.batch_size / (K x dp) samples.
-                parts = step.samples / (batch_size(batch) * dp)
-                loss = micro_batch_loss(run.task, run.model, batch) / parts
+                loss = micro_batch_loss(run.task, run.model, batch) / parts[i]
                 with sync_gradients(optimizer, last=i == len(step.micro) - 1):
                     precision.backward(loss)  # fp16: backward of the scaled loss
         loss_sum += par.value(loss)
@@ -167,21 +172,22 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     return loss_sum, grad_norm
 
 
-def _train_metrics(run: Run, step: int, grad_norm: torch.Tensor | None) -> dict[str, Any]:
-    """The log window's train loss and speed; closes the window."""
+def _train_metrics(run: Run, lr: float, grad_norm: torch.Tensor | None) -> dict[str, Any]:
+    """The log window's train loss and speed (None for a window of only the compiling step);
+    ``lr`` is the rate the window's last step ran at. Closes the window."""
     m = run.meter
     # note: .item() waits for the device; done once per log window, not per step
     run.last_train_loss = mean_over_ranks(m.window_loss / m.window_steps, run.world).item()
     elapsed = time.perf_counter() - m.window_start
-    if run.compile_seconds is not None and step - run.start_step <= run.cfg.train.log_every:
-        elapsed -= run.compile_seconds  # the compiling first step is not training speed
+    timed = m.samples_seen - m.window_samples
     m.train_seconds += elapsed
+    m.timed_samples += timed
     scaler = run.precision.scaler
     row = dict(
-        train_loss=run.last_train_loss, lr=run.scheduler.get_last_lr()[0],
+        train_loss=run.last_train_loss, lr=lr,
         grad_norm=None if grad_norm is None else float(grad_norm),
         loss_scale=scaler.scale if scaler else None, skipped_steps=scaler.skipped_steps if scaler else None,
-        samples_per_second=(m.samples_seen - m.window_samples) / max(elapsed, 1e-9),
+        samples_per_second=timed / max(elapsed, 1e-9) if timed else None,
     )
     m.window_loss.zero_()
     m.window_steps, m.window_samples = 0, m.samples_seen
@@ -235,7 +241,7 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
     summary = dict(
         status="completed", steps=step, epochs=round(run.batches.epochs_done, 4),
         final_train_loss=run.last_train_loss, eval=run.last_eval,
-        samples_per_second=m.samples_seen / max(m.train_seconds, 1e-9),
+        samples_per_second=m.timed_samples / max(m.train_seconds, 1e-9),
         peak_memory_mb=peak_memory_mb(run.device), wall_seconds=m.wall_seconds(),
         processes=run.world, layout={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
         compile_seconds=run.compile_seconds, skipped_steps=scaler.skipped_steps if scaler else 0,

@@ -1,0 +1,43 @@
+"""Norms of long tensors, blocked: one fp32 reduction over tens of millions of elements loses
+digits on CPU, a reduction over 64 Ki-element rows and then over the rows' results does not.
+
+Measured with torch 2.13 on CPU, relative error of the L2 norm of a flat fp32 tensor against
+fp64 (issue 24): one ``torch.linalg.vector_norm`` 7.4e-6 at 0.8 M elements, 1.4e-3 at 25 M,
+7.1e-3 at 76 M; over 64 Ki rows, then the norm of the rows' norms, 1e-7 to 2e-7 at every size.
+The arena makes gradients this long: the clip's global norm and the per-tensor norms of the
+multi-tensor LAMB and LARS go through :func:`tensor_norms`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 1 << 16  # elements per row of a blocked reduction
+
+
+def tensor_norms(tensors: list[torch.Tensor], p: float = 2.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(N,) the ``p``-norm of each tensor, in ``dtype`` (default: at least fp32, fp64 stays fp64).
+    Tensors longer than :data:`BLOCK` are split into rows of BLOCK elements: one
+    ``torch._foreach_norm`` over all rows and short tensors, then each long tensor's norm is the
+    norm of its rows' norms.
+
+    >>> x = torch.ones(3 * BLOCK + 5)
+    >>> tensor_norms([x, torch.ones(4)]).tolist() == [math.sqrt(3 * BLOCK + 5), 2.0]
+    True
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=dtype or torch.float32)
+    dtype = dtype or torch.promote_types(tensors[0].dtype, torch.float32)
+    p = float(p)
+    # (p = 0 counts non-zeros: exact as it is, and not the norm of its rows' counts)
+    rows = [t.reshape(-1).split(BLOCK) if p > 0 and t.numel() > BLOCK else (t,) for t in tensors]
+    norms = torch.stack(torch._foreach_norm([r for rs in rows for r in rs], p, dtype=dtype))
+    if len(norms) == len(tensors):
+        return norms
+    owner = torch.repeat_interleave(torch.tensor([len(rs) for rs in rows], device=norms.device))
+    out = torch.zeros(len(tensors), dtype=dtype, device=norms.device)
+    if math.isinf(p):
+        return out.scatter_reduce_(0, owner, norms, "amax", include_self=False)
+    return out.index_add_(0, owner, norms.pow(p)).pow(1.0 / p)
