@@ -413,3 +413,26 @@ def test_with_compile_the_compiling_step_is_not_counted_as_speed(tmp_path):
     assert summary["compile_seconds"] > 0
     # the summary's speed is the timed steps' (5 of 16 samples each), near the logged ones
     assert min(speeds) / 3 < summary["samples_per_second"] < max(speeds) * 3
+
+
+@pytest.mark.parametrize("name", ["LAMB", "LARS"])
+def test_lamb_and_lars_trust_ratios_over_a_long_tensor_match_fp64(name):
+    """The per-tensor norms of a 26 M-element tensor, summed from 16-element rows (a 3-element
+    tensor beside it sets the rows' length): the ratio, and so the update's scale, to 1e-6."""
+    import kiln.optim
+
+    torch.manual_seed(0)
+    w, small = torch.randn(26_000_000) * 0.02 + 0.01, torch.randn(3)
+    g = torch.rand(26_000_000) * 1e-3 + 1e-3
+    deltas = {}
+    for dtype in (torch.float32, torch.float64):
+        params = [nn.Parameter(w.to(dtype)), nn.Parameter(small.to(dtype))]
+        opt = getattr(kiln.optim, name)(params, lr=1e-2, weight_decay=0.01)
+        ((params[0] * g.to(dtype)).sum() + params[1].sum() * 1e-3).backward()
+        before = params[0].detach().clone()
+        opt.step()
+        deltas[dtype] = (params[0].detach() - before).double()
+        del opt, params
+    d32, d64 = deltas[torch.float32], deltas[torch.float64]
+    scale = (d32 * d64).sum() / (d64 * d64).sum()  # the fp32 update's scale against fp64's
+    assert abs(scale.item() - 1) < 1e-6

@@ -337,12 +337,23 @@ class _Segments(NamedTuple):
     longest: int            # elements of the longest segment
 
 
+_MAX_ROW = 1 << 16  # elements per row at most: a row's sum is one vectorized fp32 reduction
+
+
+def _row_length(common: int) -> int:
+    """The longest divisor of ``common`` (every segment's padded length divides it) that is at
+    most _MAX_ROW elements, so that no row sum is a long fp32 reduction."""
+    if common <= _MAX_ROW:
+        return common
+    return next(common // d for d in range(-(-common // _MAX_ROW), common + 1) if common % d == 0)
+
+
 def _segments(pack: _Pack, i: int, j: int) -> _Segments:
     key = ("segments", i, j)
     seg = pack.cache.get(key)
     if seg is None:
         lengths = pack.arena.lengths[i:j]
-        blk = math.gcd(*lengths) or 1
+        blk = _row_length(math.gcd(*lengths) or 1)
         rows = torch.tensor([n // blk for n in lengths], dtype=torch.int64)
         row_seg = torch.repeat_interleave(torch.arange(j - i), rows)
         nb, dev = len(row_seg), pack.arena.device
@@ -367,8 +378,10 @@ def _segment_norms(pack: _Pack, i: int, j: int, seg: _Segments) -> torch.Tensor:
     """(2*(j-i),) per-segment L2 norms of the two buffers whose row sums of squares are in
     seg.sq: one segment sum of the blocks' (padding is zero and adds nothing). Completed by
     ``pack.norm_reduce`` when pack covers only part of each tensor (a shard)."""
-    # unsafe: the lengths are ours and valid (the checks cost more than the sum here)
-    norms = torch.segment_reduce(seg.sq, "sum", lengths=seg.rows, unsafe=True).sqrt_()
+    # unsafe: the lengths are ours and valid (the checks cost more than the sum here); in fp64,
+    # as a long tensor has 10^5-10^6 rows to sum (one fp32 sum of them loses digits)
+    norms = torch.segment_reduce(seg.sq.double(), "sum", lengths=seg.rows, unsafe=True).sqrt_()
+    norms = norms.to(seg.sq.dtype)
     return norms if pack.norm_reduce is None else pack.norm_reduce(i, j, norms)
 
 
