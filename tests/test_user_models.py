@@ -108,8 +108,20 @@ def test_checkpointed_blocks_of_a_cached_model_give_the_same_gradients(family):
 def test_a_family_as_its_users_write_it_trains_like_its_plain_loop(tmp_path, family):
     """8 steps of 16 padded samples, 6 steps an epoch: one epoch end."""
     ref = _plain_loop(family, steps=8)
-    one = _losses(_train(tmp_path, family))
+    run = _train(tmp_path, family)
+    one = _losses(run)
     assert _max_rel(one, ref) < 1e-4, (one, ref)
+    if family != "user":  # RUN_DIR/hf/: the trained model, as from_pretrained loads it, cache setting kept
+        from kiln.train import load_checkpoint
+
+        model = user_families.make_model(family)
+        loaded = type(model).from_pretrained(run / "hf")
+        weights = load_checkpoint(run / "checkpoints" / "final")["model"]
+        shared = [k for k in loaded.state_dict() if k in weights]
+        assert len(shared) >= len(weights) - 1  # (a tied head is saved once)
+        assert all(torch.equal(loaded.state_dict()[k], weights[k].reshape(loaded.state_dict()[k].shape))
+                   for k in shared)
+        assert getattr(loaded.config, "use_cache", True) is getattr(model.config, "use_cache", True)
     assert _max_rel(_losses(_train(tmp_path, family, "train.activation_checkpointing=full")), one) < 1e-4
     # two padded micro-batches of 8 are one batch of 16: weighted by the positions each scores
     assert _max_rel(_losses(_train(tmp_path, family, "train.accumulate=2")), one) < 1e-4
