@@ -217,6 +217,7 @@ def test_native_lamb_kernel_every_mode_on_rows_with_short_tails(beta1, clip):
     hp = torch.tensor([beta1, 0.99, 1 - beta1, 1 - 0.99, 1e-6, 0.05, 1 - beta1 ** 3, 1 - 0.99 ** 3, 1e-2, clip],
                       dtype=torch.float64)
     rows = torch.tensor(seg_rows)
+    full = torch.full((B,), blk)  # every element of every row is real (the padded case: test_user_models)
     kernel = _native.kernel("lamb", p0)
     assert kernel is not None
     mr, vr = m0.clone(), v0.clone()
@@ -225,18 +226,18 @@ def test_native_lamb_kernel_every_mode_on_rows_with_short_tails(beta1, clip):
     for name, cap, group in [("kept", 64, 30), ("recomputed", 10, 30), ("one group", n, n)]:
         p, m, v = p0.clone(), m0.clone(), v0.clone()
         sq, ub = (torch.empty(k, dtype=torch.float64) for k in (2 * B, cap))
-        kernel(p, g, m, v, sq, ub, hp, rows, S, B, blk, group, cap, 0, 2)
+        kernel(p, g, m, v, sq, ub, hp, rows, full, S, B, blk, group, cap, 0, 2)
         for got, ref in ((p, want), (m, mr), (v, vr)):
             assert torch.allclose(got, ref, rtol=1e-13, atol=1e-15), name
     # a shard: pass A (sums of squares per row), the ratios from them, pass B
     p, m, v = p0.clone(), m0.clone(), v0.clone()
     sq, ub = torch.empty(2 * B, dtype=torch.float64), torch.empty(1, dtype=torch.float64)
-    kernel(p, g, m, v, sq, ub, hp, rows, S, B, blk, 0, 0, 1, 2)
+    kernel(p, g, m, v, sq, ub, hp, rows, full, S, B, blk, 0, 0, 1, 2)
     assert torch.equal(p, p0) and torch.allclose(m, mr, rtol=1e-15) and torch.allclose(v, vr, rtol=1e-15)
     assert torch.allclose(sq[:B], p0.view(B, blk).square().sum(1), rtol=1e-14)
     assert torch.allclose(sq[B:], u.view(B, blk).square().sum(1), rtol=1e-13)
     sq[:B] = -1e-2 * torch.repeat_interleave(r, rows)
-    kernel(p, g, m, v, sq, ub, hp, rows, S, B, blk, 0, 0, 2, 2)
+    kernel(p, g, m, v, sq, ub, hp, rows, full, S, B, blk, 0, 0, 2, 2)
     assert torch.allclose(p, want, rtol=1e-13, atol=1e-15)
 
 

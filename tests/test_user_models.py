@@ -448,3 +448,35 @@ def test_lamb_and_lars_trust_ratios_over_a_long_tensor_match_fp64(name):
     d32, d64 = deltas[torch.float32], deltas[torch.float64]
     scale = (d32 * d64).sum() / (d64 * d64).sum()  # the fp32 update's scale against fp64's
     assert abs(scale.item() - 1) < 1e-6
+
+
+@pytest.mark.parametrize("compile", [None, False], ids=["native", "eager"])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_lamb_with_eps_0_on_padded_segments_matches_the_per_tensor_rule(compile, wd):
+    """The held-out check of issue 25: LAMB(eps=0) on a (20, 20) weight, a 7-element vector and a
+    0-d tensor, 20 fp64 steps. The vector's and the scalar's segments end in alignment padding,
+    whose u is 0/0 with eps = 0: it must take no part in the norms (it made the ratio 1: the
+    vector 6.4% off, the scalar 2.9%) and the padding must stay zero."""
+    import kiln.optim
+    from test_optim import _ref_lamb
+
+    torch.manual_seed(0)
+    init = [torch.randn(20, 20, dtype=torch.float64), torch.randn(7, dtype=torch.float64),
+            torch.randn((), dtype=torch.float64)]
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = kiln.optim.LAMB(params, lr=1e-2, eps=0.0, weight_decay=wd, compile=compile)
+    ref, state = [t.clone() for t in init], {}
+    for t in range(1, 21):
+        grads = [torch.randn_like(w) + 0.1 for w in init]  # nowhere zero: 0/0 only in the padding
+        for p, g in zip(params, grads):
+            p.grad = None
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        opt.step()
+        _ref_lamb(ref, grads, state, 1e-2, 0.9, 0.999, 0.0, wd, t)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-13, atol=1e-13)
+    (arena,) = opt.arenas
+    real = torch.zeros(arena.numel, dtype=torch.bool)
+    for o, n in zip(arena.offsets.tolist(), arena.numels):
+        real[o:o + n] = True
+    assert arena.param[~real].eq(0).all() and not arena.param.isnan().any()

@@ -5,9 +5,10 @@ Every parameter becomes a view into ``Arena.param`` and its gradient a view into
 multiple of ``align * shard_multiple`` elements, so that a later ZeRO stage can cut the flat
 buffer into ``shard_multiple`` equal, aligned, contiguous shards with :meth:`Arena.shard`.
 
-Padding is zero in both buffers and stays zero under every update rule in kiln (a zero
-gradient with zero state produces a zero update), so a segment's *padded* range can be used
-in reductions: the padding adds nothing to a norm.
+Padding is zero in both buffers and stays zero: a zero gradient with zero state produces a zero
+update under every rule but one, LAMB with ``eps=0``, whose direction there is 0/0; LAMB
+therefore leaves the padding out of its norms and its update. Elsewhere a segment's *padded*
+range can be used in reductions: the padding adds nothing to a norm.
 
 Example::
 

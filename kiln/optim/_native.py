@@ -59,17 +59,20 @@ static inline V lamb_u(const V& p, const V& m, const V& v, T wd, T rbc1, T rbc2,
 # hp = (b1, b2, c1, c2, eps, wd, bc1, bc2, lr, clip), c = 1 - b, clip < 0: none. m's update is
 # torch's lerp (both of its branches); lamb_u is _rules.lamb_direction's u with the divisions by
 # the bias corrections as products by reciprocals. sq: (2B,) per-row sums of squares of w then u.
+# row_valid: (B,) the real elements of each row (blk but in the last row of a padded segment).
 _LAMB = _HEAD + _LAMB_U + r"""
 extern "C" void kernel(T* p, const T* g, T* m, T* v, T* sq, T* ub, const T* hp, const int64_t* seg_rows,
-                       int64_t S, int64_t B, int64_t blk, int64_t group, int64_t cap, int64_t mode,
-                       int64_t nt) {{
+                       const int64_t* row_valid, int64_t S, int64_t B, int64_t blk, int64_t group, int64_t cap,
+                       int64_t mode, int64_t nt) {{
     const T b2 = hp[1], c1 = hp[2], c2 = hp[3], eps = hp[4], wd = hp[5];
     const T rbc1 = T(1) / hp[6], rbc2 = T(1) / hp[7], lr = hp[8], clip = hp[9];
     const bool low = c1 < T(0.5);
     const int64_t W = V::size();
     auto pass_a = [&](int64_t b, T* u) {{  // u: where row b's u goes, or nullptr
         V sp(0), su(0);
-        for (int64_t k = b * blk, end = k + blk; k < end; k += W) {{
+        // the row's real elements: its segment's alignment padding never takes part (with
+        // eps = 0 its u would be 0/0), and stays zero
+        for (int64_t k = b * blk, end = k + row_valid[b]; k < end; k += W) {{
             const int64_t n = std::min(W, end - k);  // a short tail loads zeros: adds 0 to both sums
             V vg = V::loadu(g + k, n), vm = V::loadu(m + k, n), vv = V::loadu(v + k, n);
             V vp = V::loadu(p + k, n);
@@ -87,7 +90,7 @@ extern "C" void kernel(T* p, const T* g, T* m, T* v, T* sq, T* ub, const T* hp, 
     }};
     auto pass_b = [&](int64_t b, T coef, const T* u) {{  // u: row b's kept u, or nullptr: recompute
         const V c(coef);
-        for (int64_t k = b * blk, end = k + blk; k < end; k += W) {{
+        for (int64_t k = b * blk, end = k + row_valid[b]; k < end; k += W) {{
             const int64_t n = std::min(W, end - k);
             V vp = V::loadu(p + k, n);
             V vu = u ? V::loadu(u + (k - b * blk), n)
@@ -180,7 +183,8 @@ extern "C" void kernel(T* p, const T* g, T* buf, const T* wd, const T* q, const 
 """
 
 _ARGS = {
-    "lamb": lambda t: [f"{t}*", f"const {t}*"] + [f"{t}*"] * 4 + [f"const {t}*", "const int64_t*"] + ["int64_t"] * 7,
+    "lamb": lambda t: ([f"{t}*", f"const {t}*"] + [f"{t}*"] * 4 + [f"const {t}*", "const int64_t*", "const int64_t*"]
+                       + ["int64_t"] * 7),
     "lars": lambda t: [f"const {t}*"] * 3 + [f"{t}*"] + ["int64_t"] * 3,
     "lars_apply": lambda t: [f"{t}*", f"const {t}*", f"{t}*"] + [f"const {t}*"] * 3 + ["int64_t"] * 4,
 }

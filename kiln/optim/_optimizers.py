@@ -332,6 +332,8 @@ class _Segments(NamedTuple):
     blk: int
     rows: torch.Tensor      # (2*(j-i),) int64: blocks per segment, twice (two buffers' norms)
     row_seg: torch.Tensor   # (B,) int64: the segment of each block, 0-based from i
+    valid: torch.Tensor     # (B,) int64: real elements of each block (blk but at a padded segment's end)
+    pad: torch.Tensor       # (P,) int64: where the segments' alignment padding lies, in the range
     sq: torch.Tensor        # (2*B,) the two buffers' row sums of squares
     chunks: list[tuple[int, int]]  # row ranges [a, b) of about _CHUNK elements
     longest: int            # elements of the longest segment
@@ -352,15 +354,21 @@ def _segments(pack: _Pack, i: int, j: int) -> _Segments:
     key = ("segments", i, j)
     seg = pack.cache.get(key)
     if seg is None:
-        lengths = pack.arena.lengths[i:j]
+        lengths, numels = pack.arena.lengths[i:j], pack.arena.numels[i:j]
         blk = _row_length(math.gcd(*lengths) or 1)
         rows = torch.tensor([n // blk for n in lengths], dtype=torch.int64)
         row_seg = torch.repeat_interleave(torch.arange(j - i), rows)
+        # a block's real elements: what is left of its segment's from the block's start, at most blk
+        first = torch.cumsum(rows, 0) - rows  # (j-i,) each segment's first block
+        start = (torch.arange(len(row_seg)) - first[row_seg]) * blk
+        valid = (torch.tensor(numels, dtype=torch.int64)[row_seg] - start).clamp(0, blk)
+        pad = torch.cat([torch.arange(a + n, a + length) for a, n, length
+                         in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), numels, lengths)])
         nb, dev = len(row_seg), pack.arena.device
         per = max(1, _CHUNK // blk)
         sq = torch.empty(2 * nb, dtype=_norm_dtype(pack.arena.dtype), device=dev)
-        seg = pack.cache[key] = _Segments(blk, rows.repeat(2).to(dev), row_seg.to(dev), sq,
-                                          [(a, min(a + per, nb)) for a in range(0, nb, per)], max(lengths))
+        seg = pack.cache[key] = _Segments(blk, rows.repeat(2).to(dev), row_seg.to(dev), valid.to(dev), pad.to(dev),
+                                          sq, [(a, min(a + per, nb)) for a in range(0, nb, per)], max(lengths))
     return seg
 
 
@@ -442,7 +450,7 @@ class LAMB(ArenaOptimizer):
             # between the two passes
             whole = pack.norm_reduce is None
             ub = self._lamb_buffer(pack, seg) if whole else seg.sq[:0]  # a shard's passes keep no u
-            run = functools.partial(native, p, g, m, v, seg.sq, ub, hp, seg.rows, j - i, nb, blk,
+            run = functools.partial(native, p, g, m, v, seg.sq, ub, hp, seg.rows, seg.valid, j - i, nb, blk,
                                     _LAMB_GROUP // p.element_size(), ub.numel())
             if whole:
                 run(0, torch.get_num_threads())
@@ -452,6 +460,7 @@ class LAMB(ArenaOptimizer):
             lo, hi = pack.arena.segment_range(i, j)
             u = self._scratch(pack)[lo:hi]
             _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, _hp(hyper, p))
+            u.index_fill_(0, seg.pad, 0)  # the padding's u (0/0 with eps = 0) neither counts nor moves w
             _block_sumsq(seg, 0, nb, p.view(-1, blk), u.view(-1, blk))
         # Per-tensor norms from rows that never straddle two tensors: one segment sum; the
         # update one pass with the ratio per row (see _segments): no per-tensor kernel.
