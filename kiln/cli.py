@@ -7,9 +7,6 @@ status 2, with no Python traceback; bugs still show their traceback.
 from __future__ import annotations
 
 import argparse
-import errno
-import os
-import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -191,15 +188,8 @@ def _version() -> str:
     return __version__
 
 
-def _run_name(config: Path) -> str:
-    if config.stem == "config":  # RUN_DIR/config.yaml: name the rerun after the run directory
-        return re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", config.resolve().parent.name) or "run"
-    return config.stem
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
-    from kiln.config import load_config
-    from kiln.train import train
+    from kiln.train.launch import train_command
 
     if args.nproc < 1:
         raise _UsageError(f"--nproc {args.nproc} must be at least 1")
@@ -208,127 +198,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config is not None and "=" not in args.config:
             raise _UsageError("give either CONFIG or --resume RUN_DIR, not both")
-        overrides = ([args.config] if args.config else []) + args.overrides
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").is_file():
-            raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
-        cfg = load_config(run_dir / "config.yaml", overrides)
-        if "LOCAL_RANK" not in os.environ:
-            from kiln.train.loop import check_resume
-
-            # before any process starts: a run another process writes, a checkpoint that does
-            # not match, a finished run (refused with how to extend it)
-            check_resume(run_dir, cfg)
-        command = ["--resume", str(run_dir), *overrides]
-    elif args.config is None:
+        overrides = ([args.config] if args.config else []) + args.overrides  # CONFIG was an override
+        return train_command(None, overrides, resume=args.resume, nproc=args.nproc, max_restarts=args.max_restarts)
+    if args.config is None:
         raise _UsageError("kiln train needs a CONFIG file or --resume RUN_DIR (see kiln train --help)")
-    else:
-        run_dir = None
-        cfg = load_config(args.config, args.overrides)  # checked here, before any process starts
-        command = [args.config, *args.overrides]
-    if "LOCAL_RANK" not in os.environ:
-        from kiln.train import check_layout
-
-        check_layout(cfg, args.nproc)  # dp x tp x pp against --nproc, before any process starts
-        if args.nproc > 1:
-            from kiln.train import check_model
-
-            check_model(cfg)  # on the meta device: what the model allows, before any process starts
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        name = cfg.train.run_name or _run_name(Path(args.config or run_dir / "config.yaml"))
-        if run_dir is None and os.environ.get("KILN_RUN_DIR"):
-            run_dir = Path(os.environ["KILN_RUN_DIR"])  # the user named the run directory: the launcher opens it
-        return _launch(command, args.nproc, args.max_restarts, run_dir, cfg.train.output_dir, name)
-    # Under torchrun the launcher names the run directory; once it holds a checkpoint (an
-    # elastic restart), the restarted processes continue from it.
-    shared = os.environ.get("KILN_RUN_DIR")
-    if run_dir is None and shared:
-        from kiln.train import has_checkpoint
-
-        run_dir = Path(shared) if has_checkpoint(Path(shared)) else None
-    if "LOCAL_RANK" in os.environ:
-        # A worker of torchrun: record the error, so the launcher can say what failed and where.
-        from torch.distributed.elastic.multiprocessing.errors import record
-
-        train = record(train)
-    if run_dir is not None:
-        result = train(cfg, resume=run_dir)
-    else:
-        result = train(cfg, name=_run_name(Path(args.config)), run_dir=Path(shared) if shared else None)
-    return 0 if result.summary.get("status") == "completed" else 1
-
-
-def _failure_text(failure: object) -> str:
-    """The error a torchrun worker recorded, or how it died."""
-    message = getattr(failure, "message", None)
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    if message and "To enable traceback" not in str(message):
-        return str(message).strip().splitlines()[0][:300]
-    code = getattr(failure, "exitcode", None)
-    if isinstance(code, int) and code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | None, output_dir: str,
-            name: str) -> int:
-    """Run ``kiln train COMMAND`` in ``nproc`` local processes under torchrun's elastic agent.
-
-    This process, the launcher, creates (or reopens) the run directory and holds its lock
-    for the whole run: rank 0 may die and be restarted by the agent without ever meeting its
-    own lock, and a second ``kiln train --resume`` of the directory is refused while the run
-    lives. When rank 0 could not record how the run ended, the launcher marks it."""
-    import logging
-    import signal
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    from kiln.train import RunDir
-    from kiln.train.loop import LOCK_HELD_ENV, mark_stopped
-
-    out = RunDir.open(run_dir) if run_dir is not None else RunDir.create(output_dir, name)  # locked
-    run_dir = out.path
-    resume = f"kiln train --resume {run_dir} --nproc {nproc}"
-    saved_env = {k: os.environ.get(k) for k in ("KILN_RUN_DIR", LOCK_HELD_ENV)}
-    # the agent's notes on a stop ("Received 2 death signal", "Sending process .. closing
-    # signal") would bury the one line that says what happened and how to continue
-    quiet = [logging.getLogger(f"torch.distributed.elastic.{m}") for m in ("agent.server.api", "multiprocessing.api")]
-    levels = [log.level for log in quiet]
-    try:
-        os.environ["KILN_RUN_DIR"] = str(run_dir)  # named here, so every restart finds it
-        os.environ[LOCK_HELD_ENV] = str(os.getpid())
-        for log in quiet:
-            log.setLevel(logging.ERROR)
-        torchrun(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                  "-m", "kiln", "train", *command])
-    except ChildFailedError as exc:
-        failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
-        mark_stopped(run_dir, "failed", f"training failed ({failures})")
-        print(f"kiln: error: training failed ({failures}). {run_dir} keeps its checkpoints; continue with "
-              f"{resume}", file=sys.stderr)
-        return 1
-    except SignalException as exc:  # Ctrl-C or SIGTERM to the launcher: the agent stopped the workers
-        sig = signal.Signals(exc.sigval)
-        mark_stopped(run_dir, "interrupted", f"stopped by {sig.name}")
-        print(f"kiln: interrupted ({sig.name}); {run_dir} keeps its checkpoints; continue with {resume}",
-              file=sys.stderr)
-        return 128 + sig.value
-    except KeyboardInterrupt as exc:  # before the agent took over the signals
-        mark_stopped(run_dir, "interrupted", f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
-        out.close()  # releases the lock
-        for key, value in saved_env.items():  # main() may run again in this process
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return 0
+    return train_command(args.config, args.overrides, nproc=args.nproc, max_restarts=args.max_restarts)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -389,88 +263,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from kiln.hf import describe
-    from kiln.train.loop import export_hf
+    from kiln.hf.export import export_run
 
     fmt, out = args.to[0], Path(args.to[1])
     if fmt != "hf":
         raise _UsageError(f"--to {fmt}: the only export format is hf (the Hugging Face layout): --to hf DIR")
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise _UsageError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise _UsageError(f"{out} exists and is not an empty directory; kiln export writes only a new or empty "
                           "one: give another DIR, or remove it yourself")
-    written = export_hf(run_dir, out, step=args.step, say=lambda line: print(line, flush=True))
-    print(f"kiln: wrote {written}: {describe(written)}; load it with from_pretrained({str(written)!r})")
+    export_run(args.run_dir, out, step=args.step, say=lambda line: print(line, flush=True))
     return 0
 
 
 class _UsageError(Exception):
     pass
-
-
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _disk_full_in(exc: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT OSError behind ``exc``, also where a checkpoint save wrapped it; None
-    if there is none."""
-    from kiln.train.loop import find_cause
-
-    return find_cause(exc, lambda e: isinstance(e, OSError) and e.errno in _DISK_FULL)  # type: ignore[return-value]
-
-
-def _disk_full_message(exc: BaseException, full: OSError) -> str:
-    """One line: what could not be written, and the checkpoint to resume from."""
-    import inspect
-
-    from kiln.parallel import save_sharded
-
-    path = Path(full.filename) if full.filename else None
-    code = inspect.unwrap(save_sharded).__code__  # (under its no_grad decorator)
-    tb = exc.__traceback__
-    while tb is not None and path is None:  # a write() names no file: the checkpoint being saved does
-        if tb.tb_frame.f_code is code:
-            path = Path(tb.tb_frame.f_locals["directory"])
-        tb = tb.tb_next
-    problem = f"{os.strerror(full.errno).lower()} while writing {path or 'the run directory'}"
-    run_dir = next((p for p in ([path, *path.parents] if path else []) if (p / "config.yaml").is_file()), None)
-    if run_dir is None:
-        return f"{problem}; free some space (or write elsewhere: train.output_dir) and run again"
-    good = _last_good_checkpoint(run_dir)
-    if good is None:
-        return (f"{problem}; {run_dir} has no checkpoint to resume from: free some space and start again "
-                f"with kiln train {run_dir}/config.yaml")
-    return (f"{problem}; the last good checkpoint is {good}: free some space, then continue with "
-            f"kiln train --resume {run_dir}")
-
-
-def _last_good_checkpoint(run_dir: Path) -> Path | None:
-    """The complete checkpoint of ``run_dir`` with the most steps (final before a periodic one of
-    the same step), as ``kiln train --resume`` picks it; None if there is none."""
-    from kiln.parallel import check_sharded
-
-    found = []
-    for path in (run_dir / "checkpoints").glob("*"):
-        if path.name == "final" or re.fullmatch(r"step-\d+", path.name):
-            try:
-                found.append((check_sharded(path)["extra"]["step"], path.name == "final", path))
-            except (ValueError, KeyError, TypeError):
-                continue  # cut short by the failed save, or damaged: not one to resume from
-    return max(found)[2] if found else None
-
-
-def _call(args: argparse.Namespace) -> int:
-    """``args.func(args)``, with a full disk turned into one line and exit status 1."""
-    try:
-        return args.func(args)
-    except BaseException as exc:
-        full = _disk_full_in(exc)
-        if full is None:
-            raise
-        print(f"kiln: error: {_disk_full_message(exc, full)}", file=sys.stderr)
-        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -483,28 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    from kiln.errors import ConfigError
-    from kiln.errors import CheckpointError
-    from kiln.train.loop import LOCK_HELD_ENV, RunDirBusy, stop_signals, stopped_by
+    from kiln.train.launch import exit_status
 
-    import signal
-
-    # SIGTERM, what schedulers send before they kill, stops a run as Ctrl-C does: the loop
-    # marks it interrupted and its checkpoints stay as they are
-    with stop_signals():
-        try:
-            return _call(args)  # a full disk: one line, exit 1
-        except (ConfigError, CheckpointError, RunDirBusy, _UsageError) as exc:
-            print(f"kiln: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        except BaseException as exc:
-            stop = stopped_by(exc)  # an interrupt, also inside another error, or one after a stop signal
-            if stop is None or isinstance(exc, SystemExit):
-                raise
-            if LOCK_HELD_ENV not in os.environ:  # a worker of kiln's launcher leaves the line to it
-                print("kiln: terminated (SIGTERM)" if stop == signal.SIGTERM else "kiln: interrupted",
-                      file=sys.stderr)
-            return 128 + stop
+    # one line and exit 2 for what the user can fix, 1 for a full disk, 128 + N after signal N
+    return exit_status(lambda: args.func(args), user_errors=(_UsageError,))
 
 
 if __name__ == "__main__":  # pragma: no cover

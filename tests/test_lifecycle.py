@@ -95,7 +95,7 @@ def test_resume_can_extend_a_finished_run(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_extended_past_its_end_resumes_from_its_newest_checkpoint_not_the_old_final(tmp_path):
-    from kiln.train._checkpoint import latest
+    from kiln.train import Checkpoints
 
     run = _short_run(tmp_path)  # finished: final/ holds its last step
     final_step = load_checkpoint(run / "checkpoints" / "final")["step"]
@@ -105,8 +105,8 @@ def test_a_run_extended_past_its_end_resumes_from_its_newest_checkpoint_not_the_
     # as if the extended run had died after its first periodic save: final/ is still the old one
     shutil.rmtree(run / "checkpoints" / "final")
     shutil.copytree(tmp_path / "old_final", run / "checkpoints" / "final")
-    path, state = latest(run)
-    assert path.name == f"step-{final_step + 5:08d}" and state["step"] == final_step + 5
+    newest = Checkpoints(run).latest()
+    assert newest.path.name == f"step-{final_step + 5:08d}" and newest.read()["step"] == final_step + 5
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
@@ -177,7 +177,8 @@ def test_report_compares_runs_in_one_picture_and_table(tmp_path, capsys):
 def test_a_save_that_dies_midway_leaves_the_last_good_checkpoint_intact(tmp_path, monkeypatch):
     import kiln.parallel._checkpoint as sharded
     from kiln.precision import Precision
-    from kiln.train._checkpoint import latest, prune, save_checkpoint
+    from kiln.train import Checkpoints
+    from kiln.train._checkpoint import save_checkpoint
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
@@ -204,6 +205,6 @@ def test_a_save_that_dies_midway_leaves_the_last_good_checkpoint_intact(tmp_path
     # a kill -9 leaves its .tmp directory behind: never taken for a checkpoint, cleared by prune
     shutil.copytree(good, ckpts / "step-00000002.tmp")
     (ckpts / "step-00000002.tmp" / "kiln_meta.json").unlink()
-    assert latest(tmp_path)[0] == good
-    prune(tmp_path, keep=5)
+    assert Checkpoints(tmp_path).latest().path == good
+    Checkpoints(tmp_path).prune(keep=5)
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]

@@ -19,8 +19,7 @@ import pytest
 from kiln.cli import main
 from kiln.config import load_config
 from kiln.errors import ConfigError
-from kiln.train import load_checkpoint, read_metrics, train
-from kiln.train._checkpoint import latest, step_checkpoints
+from kiln.train import Checkpoints, load_checkpoint, read_metrics, train
 from kiln.train._run_dir import RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +56,7 @@ def _ended(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, list[str]
 
 
 def _newest_step(run: Path) -> int:
-    return step_checkpoints(run)[-1][0]
+    return max(c.step for c in Checkpoints(run) if not c.final)
 
 
 def _resume_to(run: Path, steps: int) -> dict:
@@ -188,8 +187,9 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     (run,) = tmp_path.iterdir()
     summary = _summary(run)
     assert summary["status"] == "interrupted" and "Terminated" in summary["error"]
-    path, state = latest(run)
-    assert state["step"] == _newest_step(run) and load_checkpoint(path)["step"] == state["step"]
+    newest = Checkpoints(run).latest()  # what a resume continues from
+    state = newest.read()
+    assert state["step"] == _newest_step(run) and load_checkpoint(newest.path)["step"] == state["step"]
     logged = [int(r["step"]) for r in read_metrics(run)]
     assert logged == list(range(1, len(logged) + 1)) and len(logged) >= state["step"]
 
@@ -243,7 +243,7 @@ def test_two_processes_sigterm_marks_the_run_interrupted(tmp_path):
     assert code == 143 and "Traceback" not in "\n".join(err)
     assert err[-1].startswith("kiln: interrupted (SIGTERM); ")
     assert _summary(run)["status"] == "interrupted"
-    assert load_checkpoint(latest(run)[0])["step"] >= 10
+    assert load_checkpoint(Checkpoints(run).latest().path)["step"] >= 10
 
 
 @pytest.mark.slow

@@ -5,10 +5,10 @@ from is ``kiln/train/_setup.py``. ``kiln.train.report`` compares finished runs.
 """
 
 from kiln.train._build import build_model, check_model
-from kiln.train._checkpoint import has_checkpoint, load_checkpoint
+from kiln.train._checkpoint import Checkpoint, Checkpoints, has_checkpoint, load_checkpoint
 from kiln.train._ranks import check_layout
 from kiln.train._run_dir import RunDir, read_metrics
 from kiln.train.loop import RunResult, train
 
-__all__ = ["RunDir", "RunResult", "build_model", "check_layout", "check_model", "has_checkpoint",
-           "load_checkpoint", "read_metrics", "train"]
+__all__ = ["Checkpoint", "Checkpoints", "RunDir", "RunResult", "build_model", "check_layout", "check_model",
+           "has_checkpoint", "load_checkpoint", "read_metrics", "train"]

@@ -34,14 +34,15 @@ import math
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from kiln.errors import CheckpointError, ConfigError
-from kiln.train._run_dir import interrupt_in
+from kiln.train._run_dir import CHECKPOINTS, disk_full_in, interrupt_in
 
 # Keys that may differ between a run's config and its checkpoint on resume: they change how long
 # or how visibly the run goes on, or how it is laid out over processes, never what it computes.
@@ -60,8 +61,6 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 
 def _rng_file(rank: int) -> str:
     return f"rng-{rank:05d}.pt"
-
-
 
 
 def rng_state() -> dict[str, Any]:
@@ -123,6 +122,9 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         if interrupt is not None and interrupt is not exc:
             # DCP wraps a Ctrl-C in its CheckpointException: a stop, not a failed save
             raise interrupt from None
+        full = disk_full_in(exc)
+        if full is not None and full.filename is None:
+            full.filename = str(path)  # a write() names no file: the checkpoint being saved does
         raise
 
 
@@ -203,64 +205,94 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             "masters": masters or None}
 
 
-def _candidates(run_dir: Path) -> list[Path]:
-    """The run's checkpoints to resume from, oldest first, by step. ``final`` goes by the step
-    it was saved at: a run resumed past its end saves later periodic checkpoints, which a
-    crash must not lose to the old final one (a final whose step cannot be read counts as the
-    newest, so that resuming reports it as damaged)."""
-    found = step_checkpoints(run_dir)
-    final = run_dir / "checkpoints" / "final"
-    if final.is_dir():
-        try:
-            from kiln.parallel import META_FILE
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint of a run to continue from or export: ``checkpoints/step-N/`` or ``final/``."""
 
-            step = float(json.loads((final / META_FILE).read_text())["extra"]["step"])
-        except Exception:
-            step = math.inf
-        found.append((step, final))
-    # final after a periodic checkpoint of the same step: it holds the finished run's state
-    return [p for _, p in sorted(found, key=lambda sp: (sp[0], sp[1].name == "final"))]
+    path: Path
+    step: int | float  # saved at; a final/ whose step cannot be read: inf, the newest (reading it says why)
+
+    @property
+    def final(self) -> bool:
+        return self.path.name == "final"
+
+    def read(self) -> dict[str, Any]:
+        """Its trainer state (:func:`read_state`): a CheckpointError naming it if it is incomplete."""
+        return read_state(self.path)
+
+
+class Checkpoints:
+    """The checkpoints of run directory ``run_dir`` that a run continues from or exports: the
+    periodic ``step-N/`` and ``final/`` (``best/`` is read by name only). The one place that says
+    which is the newest, which is the newest good one, which is at step N and which go: resume,
+    ``kiln export``, pruning and every message that names a checkpoint ask it.
+
+        >>> ckpts = Checkpoints("runs/digits_vit-20260101-120000")   # doctest: +SKIP
+        >>> ckpts.latest_good().path                                 # doctest: +SKIP
+        PosixPath('runs/digits_vit-20260101-120000/checkpoints/step-00000300')
+    """
+
+    def __init__(self, run_dir: Path | str):
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / CHECKPOINTS
+
+    def __iter__(self) -> Iterator[Checkpoint]:
+        """Oldest first, by step; final/ after a periodic one of its step (it holds the finished
+        run's state). final/ goes by the step it was saved at: a run resumed past its end saves
+        later periodic checkpoints, which a crash must not lose to the old final one."""
+        found = [Checkpoint(path, int(match.group(1))) for path in self.dir.glob("step-*")
+                 if (match := _STEP_DIR.fullmatch(path.name)) and path.is_dir()]
+        final = self.dir / "final"
+        if final.is_dir():
+            try:
+                from kiln.parallel import META_FILE
+
+                step = int(json.loads((final / META_FILE).read_text())["extra"]["step"])
+            except Exception:
+                step = math.inf
+            found.append(Checkpoint(final, step))
+        return iter(sorted(found, key=lambda c: (c.step, c.final)))
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint, complete or not (read it to know); None if there is none."""
+        return next(reversed(list(self)), None)
+
+    def latest_good(self) -> Checkpoint | None:
+        """The newest checkpoint that reads complete; None if there is none."""
+        for ckpt in reversed(list(self)):
+            try:
+                ckpt.read()
+            except CheckpointError:
+                continue  # cut short by a save that died, or damaged since
+            return ckpt
+        return None
+
+    def at(self, step: int) -> Checkpoint:
+        """The checkpoint of step ``step`` (final/, if a periodic one has its step too); a
+        CheckpointError listing the steps there if none has it."""
+        found = {c.step: c for c in self}
+        if step not in found:
+            have = ", ".join(f"{c.step}{' (final)' if c.final else ''}" for c in found.values())
+            raise CheckpointError(f"{self.run_dir} has no checkpoint of step {step}; it has steps {have}: "
+                                  "pick one with --step, or leave it out for the newest")
+        return found[step]
+
+    def prune(self, keep: int) -> None:
+        """Keep the newest ``keep`` periodic checkpoints (final/ and best/ are never removed), and
+        clear the debris of saves that died. Call it when no save is under way."""
+        periodic = [c.path for c in self if not c.final]
+        for path in periodic[: max(0, len(periodic) - keep)]:
+            # renamed first, so that a kill in the middle of the removal leaves debris, never a
+            # half-deleted directory that looks like a checkpoint
+            path.rename(path.with_name(path.name + ".tmp"))
+        for pattern in ("*.tmp", "*.old"):
+            for path in self.dir.glob(pattern):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def has_checkpoint(run_dir: Path) -> bool:
-    return bool(_candidates(run_dir))
-
-
-def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the periodic checkpoints, oldest first."""
-    found = []
-    for path in (run_dir / "checkpoints").glob("step-*"):
-        match = _STEP_DIR.fullmatch(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def latest(run_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest complete checkpoint of a run and its trainer state; if the newest is damaged,
-    the error names it and the last good one."""
-    candidates = _candidates(run_dir)
-    if not candidates:
-        raise CheckpointError(
-            f"{run_dir} has no checkpoint to resume from (checkpoints/ is empty); the run stopped before "
-            f"its first save. Start it again with `kiln train {run_dir}/config.yaml`, and set "
-            "train.checkpoint_every=N to save every N steps"
-        )
-    newest = candidates[-1]
-    try:
-        return newest, read_state(newest)
-    except CheckpointError as exc:
-        good = None
-        for path in reversed(candidates[:-1]):
-            try:
-                read_state(path)
-                good = path
-                break
-            except CheckpointError:
-                continue
-        fix = (f"the last good checkpoint is {good}; move {newest.name} out of the way to resume from it"
-               if good else "no earlier checkpoint loads either")
-        raise CheckpointError(f"{exc}; {fix}") from None
+    """Whether ``run_dir`` holds a checkpoint to continue from (complete or not)."""
+    return Checkpoints(run_dir).latest() is not None
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -282,31 +314,31 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
     return out
 
 
-def prune(run_dir: Path, keep: int) -> None:
-    """Keep the newest ``keep`` periodic checkpoints (final and best are never removed), and
-    clear the debris of saves that died. Call it when no save is under way."""
-    doomed = [path for _, path in step_checkpoints(run_dir)]
-    doomed = doomed[: max(0, len(doomed) - keep)]
-    for path in doomed:
-        # renamed first, so that a kill in the middle of the removal leaves debris, never a
-        # half-deleted directory that looks like a checkpoint
-        path.rename(path.with_name(path.name + ".tmp"))
-    for pattern in ("*.tmp", "*.old"):
-        for path in (run_dir / "checkpoints").glob(pattern):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def checkpoint_to_resume(run_dir: Path, cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint to continue ``run_dir`` from and its trainer state, after checking that
-    it matches ``cfg``."""
-    path, state = latest(run_dir)
+    """The checkpoint to continue ``run_dir`` from, the newest, and its trainer state, after
+    checking that it matches ``cfg``; if it is damaged, the error names it and the last good one."""
+    ckpts = Checkpoints(run_dir)
+    newest = ckpts.latest()
+    if newest is None:
+        raise CheckpointError(
+            f"{run_dir} has no checkpoint to resume from (checkpoints/ is empty); the run stopped before "
+            f"its first save. Start it again with `kiln train {run_dir}/config.yaml`, and set "
+            "train.checkpoint_every=N to save every N steps"
+        )
+    try:
+        state = newest.read()
+    except CheckpointError as exc:
+        good = ckpts.latest_good()
+        fix = (f"the last good checkpoint is {good.path}; move {newest.path.name} out of the way to resume from it"
+               if good else "no earlier checkpoint loads either")
+        raise CheckpointError(f"{exc}; {fix}") from None
     mismatch = config_mismatch(state.get("config") or {}, plain(cfg))
     if mismatch:
         raise ConfigError(
-            f"{run_dir}/config.yaml does not match checkpoint {path.name}: " + "; ".join(mismatch)
+            f"{run_dir}/config.yaml does not match checkpoint {newest.path.name}: " + "; ".join(mismatch)
             + ". Resume with the config the checkpoint was trained with, or start a new run"
         )
-    return path, state
+    return newest.path, state
 
 
 def plain(cfg: Any) -> dict[str, Any]:

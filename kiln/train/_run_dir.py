@@ -6,7 +6,8 @@ finished says ``"completed"``; a crash or Ctrl-C (or SIGTERM) leaves ``"failed"`
 
 A run directory has one writer at a time: :class:`RunLock`, an exclusive ``flock`` on
 ``RUN_DIR/.lock`` held for as long as the run writes. The kernel drops it when its process
-dies, so a killed run never blocks its own resume.
+dies, so a killed run never blocks its own resume. Under ``kiln train --nproc N`` the launcher
+holds it for its workers (kiln/train/launch.py).
 """
 
 from __future__ import annotations
@@ -51,9 +52,6 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 LOCK = ".lock"
-# Set by ``kiln train --nproc N`` for its workers: the pid of the launcher, which holds the
-# run directory's lock for the whole run (elastic restarts included), so rank 0 takes none.
-LOCK_HELD_ENV = "KILN_RUN_LOCK_PID"
 
 
 class RunDirBusy(RuntimeError):
@@ -63,7 +61,11 @@ class RunDirBusy(RuntimeError):
 class RunLock:
     """An exclusive lock on a run directory: ``flock`` on ``RUN_DIR/.lock``, which records the
     holder's pid and host. Taken without waiting; released by :meth:`release`, or by the kernel
-    when the holder dies (kill -9 included), so a stale lock never blocks."""
+    when the holder dies (kill -9 included), so a stale lock never blocks.
+
+    A lock this process's parent holds is this process's: the launcher of ``kiln train --nproc
+    N`` holds it for the whole run, and torchrun's agent, inside the launcher's process, starts
+    the workers (and restarts them): its rank 0 writes the directory under the launcher's lock."""
 
     def __init__(self, fd: int | None):
         self._fd = fd
@@ -78,9 +80,9 @@ class RunLock:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            holder = held_by(path)
-            if holder is not None and holder[0] == os.environ.get(LOCK_HELD_ENV):
+            if held_by_parent(path):
                 return cls(None)  # our launcher's lock: this is rank 0 of its workers
+            holder = held_by(path)
             who = f"process {holder[0]} on {holder[1]}" if holder else "another process"
             raise RunDirBusy(
                 f"{path} is being written by {who}; a run directory takes one writer at a time. Wait for "
@@ -110,6 +112,11 @@ def held_by(path: Path) -> tuple[str, str] | None:
             return fields[0], fields[1]
         time.sleep(0.01)
     return None
+
+
+def held_by_parent(path: Path) -> bool:
+    """Whether this process's parent holds ``path``'s lock (its pid and host are in the file)."""
+    return held_by(path) == (str(os.getppid()), socket.gethostname())
 
 
 class RunDir:
@@ -317,6 +324,12 @@ def find_cause(exc: BaseException | None, match: Callable[[BaseException], bool]
 def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
     """The KeyboardInterrupt (or Terminated) behind ``exc`` (see :func:`find_cause`)."""
     return find_cause(exc, lambda e: isinstance(e, KeyboardInterrupt))  # type: ignore[return-value]
+
+
+def disk_full_in(exc: BaseException | None) -> OSError | None:
+    """The full disk (ENOSPC) or exceeded quota (EDQUOT) behind ``exc`` (see :func:`find_cause`)."""
+    full = (errno.ENOSPC, errno.EDQUOT)
+    return find_cause(exc, lambda e: isinstance(e, OSError) and e.errno in full)  # type: ignore[return-value]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:

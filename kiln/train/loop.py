@@ -8,7 +8,7 @@
             -> clip -> step (skipped on fp16 overflow) -> schedule -> zero
         log every train.log_every steps, evaluate every train.eval_every steps (with the best
         checkpoint and early stopping), checkpoint every train.checkpoint_every steps
-    finish: final checkpoint -> summary.json -> loss.png
+    finish: final checkpoint -> RUN_DIR/hf/ (a transformers model) -> loss.png -> summary.json
 
 The phases of a step are calls into the layer that owns each, in this order, with no callbacks
 between them: precision (autocast, loss scaling, master weights), parallel (the reduction over
@@ -22,36 +22,30 @@ data-parallel ranks, the global-norm clip), the optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import datetime as _dt
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kiln._version import __version__
-from kiln.hf import is_hf_model
+from kiln.hf import export_checkpoint, is_hf_model
 from kiln.parallel import sync_gradients
 from kiln.train._batches import Step
-from kiln.errors import CheckpointError, ConfigError
-from kiln.train._checkpoint import plain, prune, read_state, save_checkpoint, step_checkpoints
+from kiln.train._build import build_model
+from kiln.train._checkpoint import Checkpoints, plain, save_checkpoint
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
-from kiln.train._run_dir import CHECKPOINTS, CONFIG, stopped_by
+from kiln.train._run_dir import CHECKPOINTS, stopped_by
 from kiln.train._setup import Run, peak_memory_mb, setup
 from kiln.train._tasks import evaluate, loss_parts, micro_batch_loss, to_device
 
-# what ``kiln train`` (kiln/cli.py) needs around a run: checks before a resume, the one-writer
-# lock's refusal and its hand-over to the launcher's workers, and how a stop is told apart
-from kiln.train._run_dir import LOCK_HELD_ENV, RunDirBusy, find_cause, mark_stopped, stop_signals  # noqa: E402
-from kiln.train._setup import check_resume  # noqa: E402
-
-__all__ = ["LOCK_HELD_ENV", "RunDirBusy", "RunResult", "check_resume", "export_hf", "find_cause", "mark_stopped",
-           "peak_memory_mb", "stop_signals", "stopped_by", "train", "train_step"]
+__all__ = ["RunResult", "peak_memory_mb", "train", "train_step"]
 
 
 @dataclass
@@ -110,7 +104,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < run.total_steps:
                 checkpoint(run, f"step-{step:08d}", step)
                 if run.main:
-                    prune(run.out.path, tc.keep_checkpoints)
+                    Checkpoints(run.out.path).prune(tc.keep_checkpoints)
         return _finish(run, step, stopped)
     except BaseException as exc:
         # Ctrl-C or SIGTERM (Terminated), also wrapped in another error or followed by one
@@ -231,13 +225,16 @@ def checkpoint(run: Run, name: str, step: int) -> None:
 
 
 def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
-    """Final checkpoint, summary.json (marked completed last), loss.png."""
+    """Final checkpoint, hf/ (a transformers model), loss.png, summary.json (marked completed last)."""
     m, layout, scaler = run.meter, run.layout, run.precision.scaler
     if stopped and m.window_steps:  # the loss of the steps since the last log
         run.last_train_loss = mean_over_ranks(m.window_loss / m.window_steps, run.world).item()
     checkpoint(run, "final", step)
-    if _is_hf_run(run):
-        _write_hf(run)
+    if run.main and _is_hf_run(run):
+        # RUN_DIR/hf/ for from_pretrained, read back from the final checkpoint, which every layout
+        # writes alike (whole tensors by name); the other ranks wait at the barrier below
+        final = run.out.path / CHECKPOINTS / "final"
+        export_checkpoint(partial(build_model, run.cfg.model), final, run.out.path / "hf")
     summary = dict(
         status="completed", steps=step, epochs=round(run.batches.epochs_done, 4),
         final_train_loss=run.last_train_loss, eval=run.last_eval,
@@ -271,87 +268,3 @@ def _is_hf_run(run: Run) -> bool:
     """Whether the run trains a transformers model (a pipeline rank holds copies of it, cut)."""
     pipeline = run.par.pipeline
     return is_hf_model(pipeline.stages[0] if pipeline is not None else run.plain_model)
-
-
-def _write_hf(run: Run) -> None:
-    """The final model in the Hugging Face layout, ``RUN_DIR/hf/``, for ``from_pretrained``.
-
-    Rank 0 reads it back from the final checkpoint just written, in whatever layout the run
-    had (FSDP2 shards, tensor-parallel pieces, pipeline stages on other ranks): every layout
-    saves it alike, as whole tensors by name. The other ranks wait at _finish's barrier."""
-    if run.main:
-        _hf_from_checkpoint(run.cfg, run.out.path / CHECKPOINTS / "final", run.out.path / "hf")
-
-
-def export_hf(run_dir: Path | str, to: Path | str, *, step: int | None = None,
-              say: Callable[[str], None] | None = None) -> Path:
-    """Write the model of run ``run_dir`` at checkpoint ``step`` (default: its newest) to ``to``
-    in the Hugging Face layout, which transformers' ``from_pretrained`` loads in one process;
-    ``kiln export RUN_DIR --to hf DIR`` runs it. In this process, whatever layout the run had:
-    the model is built from the run's config.yaml, on ``meta`` until the checkpoint's tensors
-    fill it (read with DCP's metadata unpickler that admits only its own classes, and
-    ``weights_only``: nothing in a checkpoint executes). ``to`` is replaced if it exists.
-
-    CheckpointError: not a run directory, no checkpoint of that step (the message lists
-    those there), a damaged checkpoint; ConfigError: the run's model is not a transformers one."""
-    from kiln.config import load_config
-
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG).is_file():
-        raise CheckpointError(f"{run_dir} is not a kiln run directory (no {CONFIG} in it)")
-    step, path = _checkpoint_at(run_dir, step)
-    cfg = load_config(run_dir / CONFIG)
-    if say is not None:
-        say(f"kiln: exporting {run_dir} at step {step} ({path.name}) to {to} (Hugging Face layout)")
-    return _hf_from_checkpoint(cfg, path, Path(to))
-
-
-def _checkpoint_at(run_dir: Path, step: int | None) -> tuple[int, Path]:
-    """``(step, checkpoint directory)`` of run ``run_dir`` at ``step`` (None: the newest): a
-    periodic ``step-N`` or ``final``, checked complete."""
-    found = dict(step_checkpoints(run_dir))
-    final = run_dir / CHECKPOINTS / "final"
-    if final.is_dir():
-        found.setdefault(read_state(final)["step"], final)  # (damaged: CheckpointError naming it)
-    if not found:
-        raise CheckpointError(f"{run_dir} has no checkpoint ({CHECKPOINTS}/ holds none): nothing to export; "
-                              "train with train.checkpoint_every=N to save every N steps")
-    if step is None:
-        step = max(found)
-    if step not in found:
-        have = ", ".join(f"{s}{' (final)' if p.name == 'final' else ''}" for s, p in sorted(found.items()))
-        raise CheckpointError(f"{run_dir} has no checkpoint of step {step}; it has steps {have}: "
-                              "pick one with --step, or leave it out for the newest")
-    read_state(found[step])  # complete, or a CheckpointError naming it
-    return step, found[step]
-
-
-def _hf_from_checkpoint(cfg: Any, checkpoint_dir: Path, to: Path) -> Path:
-    """The model ``cfg`` builds, filled from checkpoint ``checkpoint_dir``, written to ``to`` with
-    ``save_pretrained``. Reads only the model's tensors of the checkpoint (not the optimizer
-    state) into this process, and holds one copy of the model."""
-    from kiln.hf import copy_weights, deferred_weights, is_hf_model, meta_parameters, write_pretrained
-    from kiln.parallel import read_sharded
-    from kiln.train._build import build_model
-
-    try:
-        with deferred_weights(), meta_parameters():  # shapes only: the checkpoint gives every value
-            model = build_model(cfg.model)
-    except Exception as exc:  # noqa: BLE001  (a from_pretrained directory since removed: its config.json is needed)
-        cause = exc if isinstance(exc, FileNotFoundError) else exc.__cause__  # (instantiate wraps it)
-        if not isinstance(cause, FileNotFoundError):
-            raise
-        raise ConfigError(f"the run's model cannot be built to export it: {cause}") from None
-    if not is_hf_model(model):
-        kind = f"{type(model).__module__}.{type(model).__qualname__}"
-        raise ConfigError(f"the run's model is {kind}, not a transformers model: only Hugging Face models "
-                          "export to hf (read a checkpoint's weights with kiln.train.load_checkpoint)")
-    tensors, _ = read_sharded(checkpoint_dir, prefix="model.")
-    weights = {k[len("model."):]: v for k, v in tensors.items()}
-    del tensors
-    dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
-    if len(dtypes) == 1:  # the dtype the run held (its config.json may say bfloat16, kiln trained fp32)
-        model.to(dtype=dtypes.pop())
-    # kiln may hold a tensor in another shape (GPT-2's fused c_attn as (C, 3, C)): reshaped to the model's
-    copy_weights(model, weights)
-    return write_pretrained(model, to)

@@ -25,9 +25,10 @@ and then filled with :func:`load_weights`::
     >>> par = kiln.parallel.parallelize(model, layout, zero=3)                 # doctest: +SKIP
     >>> kiln.hf.load_weights(par.model, "/models/tiny-llama")                  # doctest: +SKIP
 
-At the end of a run, a transformers model is also written in the Hugging Face layout to
-``RUN_DIR/hf/`` (``kiln.train.loop.export_hf``, which ``kiln export`` runs for any checkpoint),
-which ``from_pretrained`` loads in one process.
+A kiln checkpoint of a transformers model, in whatever layout the run had, is written back in
+the Hugging Face layout, which ``from_pretrained`` loads in one process, by
+:func:`export_checkpoint`: ``RUN_DIR/hf/`` at the end of a run, and ``kiln export RUN_DIR --to hf
+DIR`` for any of its checkpoints (:func:`kiln.hf.export.export_run`, which finds the checkpoint).
 
 Loading never executes code: safetensors headers and data only (no pickle), and the config is
 transformers' JSON ``config.json`` without ``trust_remote_code``.
@@ -43,13 +44,14 @@ import itertools
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["copy_weights", "deferred_weights", "describe", "from_pretrained", "is_hf_model", "load_inner_weights",
-           "load_weights", "materialize", "meta_parameters", "weights_source", "write_pretrained"]
+__all__ = ["copy_weights", "deferred_weights", "describe", "export_checkpoint", "from_pretrained", "is_hf_model",
+           "load_inner_weights", "load_weights", "materialize", "meta_parameters", "weights_source",
+           "write_pretrained"]
 
 _INSTALL = "pip install 'kiln[hf]'"
 _SOURCE = "_kiln_hf_source"  # set on a model built without its weights: the directory to read them from
@@ -431,3 +433,40 @@ def describe(directory: Path | str) -> str:
     size = sum(f.stat().st_size for f in files)
     return f"{len(found)} tensors, {size / 2**20:.1f} MB in {len(files)} file{'s' if len(files) > 1 else ''}"
 
+
+
+def export_checkpoint(build: Callable[[], nn.Module], checkpoint: Path | str, to: Path | str) -> Path:
+    """Write the transformers model that ``build()`` makes, filled from the kiln checkpoint
+    directory ``checkpoint``, to ``to`` with :func:`write_pretrained` (``to`` is replaced if it
+    exists); ``RUN_DIR/hf/`` at the end of a run and ``kiln export`` are this.
+
+    ``build`` runs with parameters on ``meta`` (shapes only: the checkpoint gives every value).
+    Whatever layout saved the checkpoint (processes, ZeRO, FSDP2, tensor and pipeline parallel),
+    it holds each tensor whole under its parameter's name; only the model's tensors are read
+    into this process, not the optimizer state, with DCP's metadata unpickler that admits only
+    its own classes: nothing in a checkpoint executes. ConfigError: the model cannot be built
+    (a from_pretrained directory since removed), or is not a transformers one."""
+    from kiln.errors import ConfigError
+    from kiln.parallel import read_sharded
+
+    try:
+        with deferred_weights(), meta_parameters():
+            model = build()
+    except Exception as exc:  # noqa: BLE001  (a from_pretrained directory since removed: its config.json is needed)
+        cause = exc if isinstance(exc, FileNotFoundError) else exc.__cause__  # (instantiate wraps it)
+        if not isinstance(cause, FileNotFoundError):
+            raise
+        raise ConfigError(f"the run's model cannot be built to export it: {cause}") from None
+    if not is_hf_model(model):
+        kind = f"{type(model).__module__}.{type(model).__qualname__}"
+        raise ConfigError(f"the run's model is {kind}, not a transformers model: only Hugging Face models "
+                          "export to hf (read a checkpoint's weights with kiln.train.load_checkpoint)")
+    tensors, _ = read_sharded(checkpoint, prefix="model.")
+    weights = {k[len("model."):]: v for k, v in tensors.items()}
+    del tensors
+    dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
+    if len(dtypes) == 1:  # the dtype the run held (its config.json may say bfloat16, kiln trained fp32)
+        model.to(dtype=dtypes.pop())
+    # kiln may hold a tensor in another shape (GPT-2's fused c_attn as (C, 3, C)): reshaped to the model's
+    copy_weights(model, weights)
+    return write_pretrained(model, to)

@@ -1,0 +1,237 @@
+"""How a ``kiln train`` process starts and ends: in one process, as the launcher of N local
+processes, or as one rank of them; and how every ``kiln`` command ends, as an exit status.
+
+    train_command(config, overrides, resume=None, nproc=1)
+        started by torchrun (LOCAL_RANK set)   one rank of the run: kiln's launcher started
+                                               it, or the user's torchrun on several machines
+        else: the checks (resume, layout, and the model for N > 1), before any process starts
+        nproc == 1                             the whole run, in this process
+        nproc > 1                              the launcher: the run directory made or opened,
+                                               and locked; N processes under torchrun's elastic
+                                               agent; how they ended, recorded and said
+    exit_status(command)                       stop signals, and the exit status of an error
+
+Exit status: 0, the run completed; 1, it failed (or a disk filled up: one line, naming the last
+good checkpoint); 2, an error the user can fix (a config, a checkpoint, a run directory that
+another process writes: one line, no traceback); 128 + N, stopped by signal N (SIGINT: Ctrl-C,
+130; SIGTERM, what schedulers send before they kill, 143), its checkpoints intact.
+
+The launcher's workers learn where the run is from ``KILN_RUN_DIR`` (what a user sets to name a
+run under their own torchrun), and that the launcher holds the run directory's lock for them
+from the lock itself: it names their parent (``RunLock``). Once the directory holds a checkpoint,
+a restarted worker continues from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from kiln.errors import CheckpointError, ConfigError
+from kiln.train._build import check_model
+from kiln.train._checkpoint import Checkpoints, has_checkpoint
+from kiln.train._ranks import check_layout
+from kiln.train._run_dir import (
+    CONFIG,
+    RunDir,
+    RunDirBusy,
+    disk_full_in,
+    held_by_parent,
+    mark_stopped,
+    stop_signals,
+    stopped_by,
+)
+from kiln.train._setup import check_resume
+from kiln.train.loop import train
+
+__all__ = ["EXIT_USAGE", "RUN_DIR_ENV", "exit_status", "train_command"]
+
+EXIT_USAGE = 2
+RUN_DIR_ENV = "KILN_RUN_DIR"
+
+
+def train_command(config: str | None, overrides: list[str], *, resume: str | Path | None = None, nproc: int = 1,
+                  max_restarts: int = 0) -> int:
+    """``kiln train CONFIG [key=value ...]`` (or ``--resume RUN_DIR``), this process's part of it;
+    returns the exit status: 0 if the run completed, 1 if it did not."""
+    from kiln.config import load_config
+
+    run_dir = Path(resume) if resume is not None else None
+    if run_dir is not None and not (run_dir / CONFIG).is_file():
+        raise CheckpointError(f"{run_dir} is not a kiln run directory (no {CONFIG} in it)")
+    cfg = load_config(run_dir / CONFIG if run_dir is not None else config, overrides)  # checked here, first
+    name = _run_name(Path(config)) if run_dir is None else "run"
+    if "LOCAL_RANK" in os.environ:  # a rank under torchrun: whoever started it checked
+        return _train_here(cfg, run_dir, name, worker=True)
+    if run_dir is not None:
+        # a run another process writes, a checkpoint that does not match, a finished run
+        # (refused with how to extend it)
+        check_resume(run_dir, cfg)
+    check_layout(cfg, nproc)  # dp x tp x pp against the processes
+    if nproc == 1:
+        return _train_here(cfg, run_dir, name, worker=False)
+    check_model(cfg)  # on the meta device: what the model allows
+    command = ["--resume", str(run_dir), *overrides] if run_dir is not None else [config, *overrides]
+    if run_dir is None and os.environ.get(RUN_DIR_ENV):
+        run_dir = Path(os.environ[RUN_DIR_ENV])  # the user named the run directory: the launcher opens it
+    return _launch(command, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name)
+
+
+def _run_name(config: Path) -> str:
+    if config.stem == "config":  # RUN_DIR/config.yaml: name the rerun after the run directory
+        return re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", config.resolve().parent.name) or "run"
+    return config.stem
+
+
+def _train_here(cfg: Any, run_dir: Path | None, name: str, *, worker: bool) -> int:
+    """The run in this process, or this rank's part of it (``worker``: started by torchrun).
+    ``KILN_RUN_DIR`` names a new run's directory; once it holds a checkpoint (an elastic
+    restart), the run continues from it."""
+    run = train
+    if worker:
+        # record the error, so that torchrun's agent (kiln's launcher) can say what failed and where
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        run = record(train)
+    shared = os.environ.get(RUN_DIR_ENV)
+    if run_dir is None and shared and has_checkpoint(Path(shared)):
+        run_dir = Path(shared)
+    if run_dir is not None:
+        result = run(cfg, resume=run_dir)
+    else:
+        result = run(cfg, name=name, run_dir=Path(shared) if shared else None)
+    return 0 if result.summary.get("status") == "completed" else 1
+
+
+def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | None, output_dir: str,
+            name: str) -> int:
+    """Run ``kiln train COMMAND`` in ``nproc`` local processes under torchrun's elastic agent.
+
+    This process, the launcher, creates (or reopens) the run directory and holds its lock
+    for the whole run: rank 0 may die and be restarted by the agent without ever meeting its
+    own lock, and a second ``kiln train --resume`` of the directory is refused while the run
+    lives. When rank 0 could not record how the run ended, the launcher marks it."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    out = RunDir.open(run_dir) if run_dir is not None else RunDir.create(output_dir, name)  # locked
+    run_dir = out.path
+    resume = f"kiln train --resume {run_dir} --nproc {nproc}"
+    # the agent's notes on a stop ("Received 2 death signal", "Sending process .. closing
+    # signal") would bury the one line that says what happened and how to continue
+    quiet = [logging.getLogger(f"torch.distributed.elastic.{m}") for m in ("agent.server.api", "multiprocessing.api")]
+    levels = [log.level for log in quiet]
+    try:
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        with _environ(**{RUN_DIR_ENV: str(run_dir)}):  # named here, so every restart finds it
+            torchrun(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                      "-m", "kiln", "train", *command])
+    except ChildFailedError as exc:
+        failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
+        mark_stopped(run_dir, "failed", f"training failed ({failures})")
+        print(f"kiln: error: training failed ({failures}). {run_dir} keeps its checkpoints; continue with "
+              f"{resume}", file=sys.stderr)
+        return 1
+    except SignalException as exc:  # Ctrl-C or SIGTERM to the launcher: the agent stopped the workers
+        sig = signal.Signals(exc.sigval)
+        mark_stopped(run_dir, "interrupted", f"stopped by {sig.name}")
+        print(f"kiln: interrupted ({sig.name}); {run_dir} keeps its checkpoints; continue with {resume}",
+              file=sys.stderr)
+        return 128 + sig.value
+    except KeyboardInterrupt as exc:  # before the agent took over the signals
+        mark_stopped(run_dir, "interrupted", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+        out.close()  # releases the lock
+    return 0
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (torchrun gives its workers this process's
+    environment), as it was again after: main() may run again in this process."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _failure_text(failure: object) -> str:
+    """The error a torchrun worker recorded, or how it died."""
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if message and "To enable traceback" not in str(message):
+        return str(message).strip().splitlines()[0][:300]
+    code = getattr(failure, "exitcode", None)
+    if isinstance(code, int) and code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# ----------------------------------------------------------------------------- how it ends
+
+
+def exit_status(command: Callable[[], int], user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run ``command`` (one ``kiln`` command, returning its exit status), with SIGTERM stopping
+    it as Ctrl-C does, and turn how it ended into an exit status and at most one line on
+    stderr (see the module's docstring); ``user_errors`` are more errors the user can fix.
+    Bugs still raise, with their traceback."""
+    # SIGTERM, what schedulers send before they kill, stops a run as Ctrl-C does: the loop
+    # marks it interrupted and its checkpoints stay as they are
+    with stop_signals():
+        try:
+            return command()
+        except BaseException as exc:
+            full = disk_full_in(exc)
+            if full is not None:
+                print(f"kiln: error: {_disk_full_message(full)}", file=sys.stderr)
+                return 1
+            if isinstance(exc, (ConfigError, CheckpointError, RunDirBusy, *user_errors)):
+                print(f"kiln: error: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            stop = stopped_by(exc)  # an interrupt, also inside another error, or one after a stop signal
+            if stop is None or isinstance(exc, SystemExit):
+                raise
+            if not _launchers_worker():  # a worker of kiln's launcher leaves the line to it
+                print("kiln: terminated (SIGTERM)" if stop == signal.SIGTERM else "kiln: interrupted",
+                      file=sys.stderr)
+            return 128 + stop
+
+
+def _launchers_worker() -> bool:
+    """Whether this process is a rank that kiln's launcher started: its parent holds the lock."""
+    shared = os.environ.get(RUN_DIR_ENV)
+    return "LOCAL_RANK" in os.environ and bool(shared) and held_by_parent(Path(shared))
+
+
+def _disk_full_message(full: OSError) -> str:
+    """One line: what could not be written, and the checkpoint to resume from."""
+    path = Path(full.filename) if full.filename else None  # a checkpoint's save names itself
+    problem = f"{os.strerror(full.errno).lower()} while writing {path or 'the run directory'}"
+    run_dir = next((p for p in ([path, *path.parents] if path else []) if (p / CONFIG).is_file()), None)
+    if run_dir is None:
+        return f"{problem}; free some space (or write elsewhere: train.output_dir) and run again"
+    good = Checkpoints(run_dir).latest_good()
+    if good is None:
+        return (f"{problem}; {run_dir} has no checkpoint to resume from: free some space and start again "
+                f"with kiln train {run_dir}/config.yaml")
+    return (f"{problem}; the last good checkpoint is {good.path}: free some space, then continue with "
+            f"kiln train --resume {run_dir}")
