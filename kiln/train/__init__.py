@@ -1,7 +1,8 @@
 """Training: ``kiln.train.train(cfg)`` runs a validated config and writes a run directory.
 
 The loop itself is ``kiln/train/loop.py``, one file to read top to bottom; what a run is built
-from is ``kiln/train/_setup.py``. ``kiln.train.report`` compares finished runs.
+from is ``kiln/train/_setup.py``; how ``kiln train`` starts its processes and how they end is
+``kiln/train/launch.py``. ``kiln.train.report`` compares finished runs.
 """
 
 from kiln.train._build import build_model, check_model

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from kiln.config import load_config
 from kiln.errors import CheckpointError, ConfigError
 from kiln.train._build import check_model
 from kiln.train._checkpoint import Checkpoints, has_checkpoint
@@ -59,14 +60,12 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
                   max_restarts: int = 0) -> int:
     """``kiln train CONFIG [key=value ...]`` (or ``--resume RUN_DIR``), this process's part of it;
     returns the exit status: 0 if the run completed, 1 if it did not."""
-    from kiln.config import load_config
-
     run_dir = Path(resume) if resume is not None else None
     if run_dir is not None and not (run_dir / CONFIG).is_file():
         raise CheckpointError(f"{run_dir} is not a kiln run directory (no {CONFIG} in it)")
     cfg = load_config(run_dir / CONFIG if run_dir is not None else config, overrides)  # checked here, first
     name = _run_name(Path(config)) if run_dir is None else "run"
-    if "LOCAL_RANK" in os.environ:  # a rank under torchrun: whoever started it checked
+    if "LOCAL_RANK" in os.environ:  # one rank under torchrun: kiln's launcher checked, and setup checks
         return _train_here(cfg, run_dir, name, worker=True)
     if run_dir is not None:
         # a run another process writes, a checkpoint that does not match, a finished run
