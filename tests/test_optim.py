@@ -274,7 +274,7 @@ def test_native_kernels_that_cannot_be_built_warn_once_and_fall_back(monkeypatch
 
     monkeypatch.setattr(_native, "_BUILT", {})
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", broken)
-    monkeypatch.setattr(_optimizers, "_kernel", lambda fn, compiled: fn)  # no torch.compile either
+    monkeypatch.setattr(_optimizers, "kernel", lambda fn, compiled: fn)  # no torch.compile either
     for cls, kw in [(ko.LAMB, dict(lr=1e-2, weight_decay=0.1)), (ko.LARS, dict(lr=0.5, weight_decay=0.01))]:
         m1, m2 = make_model(), make_model()
         o1 = cls(m1.parameters(), compile=False, **kw)
@@ -681,7 +681,7 @@ def test_zero_grad_is_one_memset_and_updates_are_in_the_arena():
     assert arena.grad.abs().sum() == 0 and all(p.grad is not None for p in m.parameters())
     exp_avg = opt.state[m[0].weight]["exp_avg"]
     assert exp_avg.shape == m[0].weight.shape
-    flat_exp_avg = opt._packs[0].state["exp_avg"]
+    flat_exp_avg = opt.packing.packs[0].state["exp_avg"]
     assert exp_avg.untyped_storage().data_ptr() == flat_exp_avg.untyped_storage().data_ptr()
 
 

@@ -1,7 +1,7 @@
 """The arena's O(1) per-step check (issue 16, part 3): every change the fast path could miss,
 each stepped side by side with torch.optim and compared after every action.
 
-The fast path of ``ArenaOptimizer._sync`` trusts three signals instead of looking at every
+The fast path of ``Packing.sync`` (kiln.optim._packing) trusts three signals instead of looking at every
 parameter: weak references to the gradient views it put in ``p.grad`` (they die when p.grad is
 reassigned), the gradient hooks (they check the parameter and its gradient as autograd delivers
 it), and the use count of the flat parameter's storage (``p.data = ...`` drops it)."""
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 os.environ.setdefault("KILN_OPTIM_EAGER", "1")
 
 import kiln.optim as ko  # noqa: E402
-from kiln.optim._base import ArenaOptimizer, _Pack  # noqa: E402
+from kiln.optim import ArenaOptimizer  # noqa: E402
+from kiln.optim._packing import Pack, Packing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -173,9 +174,9 @@ def test_common_training_step_takes_the_o1_path(monkeypatch, cls, kw):
     def boom(*a, **k):
         raise AssertionError("per-parameter check in the common case")
 
-    monkeypatch.setattr(_Pack, "grads_intact", boom)
-    monkeypatch.setattr(ArenaOptimizer, "_relink_params", boom)
-    monkeypatch.setattr(ArenaOptimizer, "_absorb_grads", boom)
+    monkeypatch.setattr(Pack, "grads_intact", boom)
+    monkeypatch.setattr(Packing, "_relink_params", boom)
+    monkeypatch.setattr(Packing, "_absorb_grads", boom)
     for _ in range(3):
         opt.zero_grad()
         backward(m, opt)

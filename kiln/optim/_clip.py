@@ -1,58 +1,77 @@
 """The one global-norm clip: :func:`clip_grad_norm_`, for every kind of gradient kiln trains.
 
-A gradient is described by *parts*: ``(local tensors, process groups)``. The p-th powers of a
-part's local tensors are summed, then summed over the ranks of each of its groups, so that
-every element of the whole model's gradient counts exactly once:
+A gradient is described by *parts*: ``(local tensors, reducers)``. The p-th powers of a
+part's local tensors are summed, then combined over the other ranks by each of its reducers,
+so that every element of the whole model's gradient counts exactly once:
 
 - an arena's flat gradient, replicated on every rank: ``(flat buffers, ())``;
-- a ZeRO-1/2 shard of it: ``(shard buffers, (dp group,))``;
-- a DTensor gradient (FSDP2, tensor parallel, both): its local tensor, over the group of each
-  mesh dimension it is split on (a replicated dimension adds nothing);
-- a pipeline stage: the caller's ``extra_group`` sums the stages' totals.
+- a ZeRO-1/2 shard of it: ``(shard buffers, (the sum over the shards,))``, the reducer the
+  sharding's owner (:class:`kiln.parallel.ZeroOptimizer`) gave the optimizer;
+- a DTensor gradient (FSDP2, tensor parallel, both): its local tensor, combined over each mesh
+  dimension it is split on by DTensor itself (a replicated dimension adds nothing);
+- a pipeline stage: the caller's ``extra_reduce`` combines the stages' totals.
+
+A reducer is ``reduce(x, op)``: combine the 0-d tensor ``x`` in place over the ranks that hold
+the rest, ``op`` "sum" or "max" (the inf-norm). kiln.optim itself never communicates: whoever
+splits the gradient across ranks supplies the reducer.
 
 Whatever holds the gradients says what its parts are: :func:`grad_parts` asks an object's
 ``grad_parts()`` method (kiln's optimizers and ZeRO's wrapper have one) or reads parameters'
-``.grad``. One reduction per part and group, one multiply per tensor; no data-dependent branch
-(a host sync on GPUs).
+``.grad``. One reduction per part, one multiply per tensor; no data-dependent branch (a host
+sync on GPUs). Norms of long tensors (an arena's flat gradient) are blocked
+(:func:`kiln.optim._norms.tensor_norms`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kiln.optim._norms import tensor_norms
 
-GradPart = tuple[list[torch.Tensor], tuple[Any, ...]]  # (local tensors, process groups to sum over)
+Reducer = Callable[[torch.Tensor, str], Any]  # reduce(x, op): combine x in place over other ranks
+GradPart = tuple[list[torch.Tensor], tuple[Reducer, ...]]  # (local tensors, reducers)
 
 
-def _local_and_groups(t: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
-    """A gradient's local tensor and the groups that hold the rest of it. _StridedShard
-    (FSDP2 over a TP shard) is not ``is_shard()`` in torch 2.13, so all but Replicate count."""
+def _dtensor_reducer(mesh: Any, placements: tuple[Any, ...]) -> Reducer:
+    """Combine a local statistic over the mesh dimensions a DTensor is split on, by DTensor's
+    own redistribution (a partial value made whole). _StridedShard (FSDP2 over a TP shard) is
+    not ``is_shard()`` in torch 2.13, so every placement but Replicate counts."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def reduce(x: torch.Tensor, op: str) -> None:
+        pending = [Replicate() if p.is_replicate() else Partial(op) for p in placements]
+        x.copy_(DTensor.from_local(x, mesh, pending, run_check=False).full_tensor())
+
+    return reduce
+
+
+def _local_and_key(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A gradient's local tensor and what its reducer depends on (None: a plain tensor)."""
     local = getattr(t, "_local_tensor", None)
     if local is None:
-        return t, ()
+        return t, None
     if any(p.is_partial() for p in t.placements):
         raise ValueError(f"a gradient with Partial placements {t.placements}: reduce it before clipping")
-    mesh = t.device_mesh
-    return local, tuple(mesh.get_group(d) for d, p in enumerate(t.placements) if not p.is_replicate())
+    placements = tuple(t.placements)
+    return local, None if all(p.is_replicate() for p in placements) else (t.device_mesh, placements)
 
 
 def param_grad_parts(params: Iterable[torch.Tensor]) -> list[GradPart]:
-    """The parts of the ``.grad`` of ``params`` (each parameter once), grouped by the process
-    groups their local tensors sum over."""
-    parts: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    """The parts of the ``.grad`` of ``params`` (each parameter once), grouped by how their
+    local tensors combine over the ranks."""
+    parts: dict[Any, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for p in params:
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
-        local, groups = _local_and_groups(p.grad)
-        parts.setdefault(groups, []).append(local)
-    return [(ts, groups) for groups, ts in parts.items()]
+        local, key = _local_and_key(p.grad)
+        parts.setdefault(key, []).append(local)
+    return [(ts, () if key is None else (_dtensor_reducer(*key),)) for key, ts in parts.items()]
 
 
 def grad_parts(obj: Any) -> list[GradPart]:
@@ -67,25 +86,23 @@ def grad_parts(obj: Any) -> list[GradPart]:
     return param_grad_parts(obj)
 
 
-def _all_reduce(x: torch.Tensor, groups: Sequence[Any], inf: bool) -> None:
-    import torch.distributed as dist
-
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    for group in groups:
-        dist.all_reduce(x, op=op, group=group)
+def _reduce(x: torch.Tensor, reducers: Sequence[Reducer], inf: bool) -> None:
+    for reduce in reducers:
+        reduce(x, "max" if inf else "sum")
 
 
 @torch.no_grad()
 def clip_grad_norm_(grads: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    extra_group: Any = None) -> torch.Tensor:
+                    extra_reduce: Reducer | None = None) -> torch.Tensor:
     """Scale all gradients of ``grads`` so that their global norm is at most ``max_norm``;
     returns the norm before clipping, a 0-d tensor, the same on every rank, like
     ``torch.nn.utils.clip_grad_norm_``.
 
     ``grads``: one of kiln's optimizers (one reduction per arena, or per shard under ZeRO), any
     ``torch.optim.Optimizer``, parameters (plain, tensor-parallel or FSDP2 DTensors, mixed), or
-    a list of :data:`GradPart`. ``extra_group``: the ranks that hold the model's other
-    parameters (pipeline stages), whose gradients count too. Every rank of a group must call it.
+    a list of :data:`GradPart`. ``extra_reduce``: combines the total with the ranks that hold
+    the model's other parameters (pipeline stages), whose gradients count too. Every rank that
+    a reducer combines over must call it.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> model(torch.ones(3, 4)).sum().backward()
@@ -97,14 +114,14 @@ def clip_grad_norm_(grads: Any, max_norm: float, norm_type: float = 2.0, error_i
     p = float(norm_type)
     inf = math.isinf(p)
     totals = []
-    for tensors, groups in parts:
+    for tensors, reducers in parts:
         if not tensors:
             continue
         # at least fp32; fp64 gradients keep fp64 (equivalence checks compare to 1e-12); an
         # arena's flat gradient is long: blocked, or one fp32 norm of 25 M elements is 1e-3 off
         norms = tensor_norms(tensors, p)
         part = norms.max() if inf else norms.pow(p).sum()
-        _all_reduce(part, groups, inf)
+        _reduce(part, reducers, inf)
         totals.append(part)
     device = totals[0].device if totals else torch.device("cpu")
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in totals) else torch.float32
@@ -113,8 +130,8 @@ def clip_grad_norm_(grads: Any, max_norm: float, norm_type: float = 2.0, error_i
         total = torch.zeros((), dtype=dtype, device=device)
     else:
         total = torch.stack(totals).max() if inf else torch.stack(totals).sum()
-    if extra_group is not None:
-        _all_reduce(total, (extra_group,), inf)
+    if extra_reduce is not None:
+        _reduce(total, (extra_reduce,), inf)
     if not inf:
         total = total.pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):

@@ -42,8 +42,7 @@ Example::
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch.optim.adam import adam as _torch_adam
@@ -51,8 +50,10 @@ from torch.optim.optimizer import _to_scalar
 from torch.optim.sgd import sgd as _torch_sgd
 
 from kiln.optim import _native, _rules
-from kiln.optim._base import (ArenaOptimizer, _as_real, _compiling, _flat_args, _kernel, _norm_dtype,
-                              _Pack)
+from kiln.optim._base import ArenaOptimizer
+from kiln.optim._kernels import compiling, hyper, hyper_dtype, kernel
+from kiln.optim._packing import FlatRange, as_real
+from kiln.optim._segments import Segments, block_sumsq, column, segment_norms, segments
 
 __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 
@@ -68,15 +69,6 @@ def _fused_ok(device: torch.device, dtype: torch.dtype, opt: ArenaOptimizer) -> 
     and no test forces the rule."""
     return (device.type in ("cpu", "cuda") and (dtype.is_floating_point or dtype.is_complex)
             and not getattr(opt, "_force_rule", False))
-
-
-def _hp_dtype(like: torch.Tensor) -> torch.dtype:
-    return torch.float64 if like.dtype == torch.float64 else torch.float32
-
-
-def _hp(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    # hyperparameters as one small tensor: the compiled kernels see new values, never new code
-    return torch.tensor(values, dtype=_hp_dtype(like), device=like.device)
 
 
 class SGD(ArenaOptimizer):
@@ -112,19 +104,14 @@ class SGD(ArenaOptimizer):
     def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] else ()
 
-    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
-        names = self.state_names(group)
-        p, g, *bufs = _flat_args(pack, i, j, *names)
+    def _update_flat(self, rng: FlatRange, group: dict[str, Any], step: int) -> None:
+        p, g, *bufs = rng.args(*self.state_names(group))
         if _fused_ok(p.device, p.dtype, self):
             _fused_sgd([p], [g], bufs, group, first=step == 1)
             return
-        new_p, new_buf = _rules.sgd(p, g, bufs[0] if bufs else None, lr=group["lr"],
-                                    momentum=group["momentum"], dampening=group["dampening"],
-                                    weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                                    first_step=step == 1, maximize=group["maximize"])
-        p.copy_(new_p)
-        if bufs:
-            bufs[0].copy_(new_buf)
+        _rules.sgd(p, g, bufs[0] if bufs else None, lr=group["lr"], momentum=group["momentum"],
+                   dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                   first_step=step == 1, maximize=group["maximize"])
 
     # torch's SGD has no 'step' in its state: a parameter has stepped iff it has a buffer
     def _init_list_state(self, p, group):  # noqa: D102
@@ -144,21 +131,18 @@ class SGD(ArenaOptimizer):
                 bufs = [torch.empty_like(g) for g in gs]
             else:
                 bufs = [self.state[p]["momentum_buffer"] for p in ps]
-            _fused_sgd(_as_real(ps), _as_real(gs), _as_real(bufs), group, first=first)
+            _fused_sgd(as_real(ps), as_real(gs), as_real(bufs), group, first=first)
         else:
             P, G = self._lists(ps)
-            buf = None
-            if momentum and not first:
-                buf = _rules.TensorList(_as_real([self.state[p]["momentum_buffer"] for p in ps]))
-            new_p, new_buf = _rules.sgd(P, G, buf, lr=group["lr"], momentum=momentum,
-                                        dampening=group["dampening"], weight_decay=group["weight_decay"],
-                                        nesterov=group["nesterov"], first_step=first, maximize=group["maximize"])
-            new_p.copy_into(P)
-            if momentum and not first:
-                new_buf.copy_into(buf)
-            bufs = [b.clone() if b is g else b for g, b in zip(G.ts, new_buf.ts)] if momentum else []
-            if torch.is_complex(ps[0]):  # the rule ran on real views; state stays complex, as torch's
-                bufs = [torch.view_as_complex(b) for b in bufs]
+            if not momentum:
+                bufs = []
+            elif first:  # the rule sets buf = d on the first step
+                bufs = [torch.empty_like(p) for p in ps]
+            else:
+                bufs = [self.state[p]["momentum_buffer"] for p in ps]
+            _rules.sgd(P, G, _rules.TensorList(as_real(bufs)) if momentum else None, lr=group["lr"],
+                       momentum=momentum, dampening=group["dampening"], weight_decay=group["weight_decay"],
+                       nesterov=group["nesterov"], first_step=first, maximize=group["maximize"])
         if momentum and first:
             for p, b in zip(ps, bufs):
                 self.state[p]["momentum_buffer"] = b
@@ -212,18 +196,15 @@ class Adam(ArenaOptimizer):
     def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
-    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
-        p, g, m, v, *vmax = _flat_args(pack, i, j, *self.state_names(group))
+    def _update_flat(self, rng: FlatRange, group: dict[str, Any], step: int) -> None:
+        p, g, m, v, *vmax = rng.args(*self.state_names(group))
         if _fused_ok(p.device, p.dtype, self):
-            _fused_adam([p], [g], [m], [v], vmax, [pack.step_tensor(step)], group)
+            _fused_adam([p], [g], [m], [v], vmax, [rng.step_tensor(step)], group)
             return
         beta1, beta2 = group["betas"]
-        out = _rules.adam(p, g, m, v, vmax[0] if vmax else None, lr=group["lr"], beta1=beta1,
-                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                          decoupled=group["decoupled_weight_decay"], bc1=1 - beta1 ** step,
-                          bc2=1 - beta2 ** step, maximize=group["maximize"])
-        for dst, src in zip([p, m, v] + vmax, out):
-            dst.copy_(src)
+        _rules.adam(p, g, m, v, vmax[0] if vmax else None, lr=group["lr"], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                    bc1=1 - beta1 ** step, bc2=1 - beta2 ** step, maximize=group["maximize"])
 
     def _list_key(self, p: torch.Tensor, st: dict[str, Any]) -> Any:
         # the fused kernel takes one step count per tensor: no need to read them here
@@ -240,18 +221,15 @@ class Adam(ArenaOptimizer):
                 steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1.0)
             m, v, *vmax = ([st[n] for st in states] for n in names)
-            _fused_adam(_as_real(ps), _as_real([p.grad for p in ps]), _as_real(m), _as_real(v),
-                        _as_real(vmax[0]) if vmax else [], steps, group)
+            _fused_adam(as_real(ps), as_real([p.grad for p in ps]), as_real(m), as_real(v),
+                        as_real(vmax[0]) if vmax else [], steps, group)
             return
         P, G, M, V, *VM = self._lists(ps, *names)
         beta1, beta2 = group["betas"]
         step = key + 1
-        out = _rules.adam(P, G, M, V, VM[0] if VM else None, lr=group["lr"], beta1=beta1, beta2=beta2,
-                          eps=group["eps"], weight_decay=group["weight_decay"],
-                          decoupled=group["decoupled_weight_decay"], bc1=1 - beta1 ** step,
-                          bc2=1 - beta2 ** step, maximize=group["maximize"])
-        for src, dst in zip(out, [P, M, V] + VM):
-            src.copy_into(dst)
+        _rules.adam(P, G, M, V, VM[0] if VM else None, lr=group["lr"], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                    bc1=1 - beta1 ** step, bc2=1 - beta2 ** step, maximize=group["maximize"])
         torch._foreach_add_(steps, 1.0)
 
     def _update_torch(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
@@ -304,12 +282,12 @@ def _lamb_kernel(p, g, m, v, u_out, hp):
 
 
 def _lars_mom_kernel(p, g, buf, wd, q, hp, nesterov: bool):
-    """LARS's update, in place on p and buf: the direction d = g + wd*p (wd per block, (B, 1):
+    """LARS's chain, in place on p and buf: the direction d = g + wd*p (wd per block, (B, 1):
     0 for tensors excluded from decay) scaled by the per-block trust ratio q (B, 1), then the
     heavy-ball step; hp = (lr, momentum). d is recomputed here rather than read back: it was
     only ever held a chunk at a time, for its norms (see LARS._update_flat)."""
-    d = _rules.lars_direction(p, g, weight_decay=wd)
-    _rules.momentum_update(p, d * q, buf, lr=hp[0], momentum=hp[1], nesterov=nesterov)
+    d = _rules.add_decayed_weights(g * 1, p, wd) * q
+    _rules.apply(p, _rules.heavy_ball(d, buf, momentum=hp[1], nesterov=nesterov), hp[0])
 
 
 # The native LAMB step (see _native) takes tensors in groups of about _LAMB_GROUP bytes per
@@ -317,86 +295,6 @@ def _lars_mom_kernel(p, g, buf, wd, q, hp, nesterov: bool):
 # _LAMB_KEEP bytes (a 4 MiB tensor's five buffers in a 32 MiB L3); longer ones recompute u.
 _LAMB_GROUP = 1 << 19
 _LAMB_KEEP = 1 << 22
-
-# Elements per chunk of a per-tensor-norm update: the direction of a chunk is computed and its
-# block norms taken while the chunk is still in cache (1 << 19 fp32 = 2 MiB per buffer).
-_CHUNK = 1 << 19
-
-
-class _Segments(NamedTuple):
-    """Segments i..j-1 of an arena (or a shard's pieces) as rows of one (B, blk) view of their
-    flat range, blk the largest block that divides every segment's padded length (at least the
-    64-byte alignment), so that a per-segment statistic is a per-row reduction and a
-    per-segment factor a (B, 1) column that broadcasts, with no per-tensor kernel."""
-
-    blk: int
-    rows: torch.Tensor      # (2*(j-i),) int64: blocks per segment, twice (two buffers' norms)
-    row_seg: torch.Tensor   # (B,) int64: the segment of each block, 0-based from i
-    valid: torch.Tensor     # (B,) int64: real elements of each block (blk but at a padded segment's end)
-    pad: torch.Tensor       # (P,) int64: where the segments' alignment padding lies, in the range
-    sq: torch.Tensor        # (2*B,) the two buffers' row sums of squares
-    chunks: list[tuple[int, int]]  # row ranges [a, b) of about _CHUNK elements
-    longest: int            # elements of the longest segment
-
-
-_MAX_ROW = 1 << 16  # elements per row at most: a row's sum is one vectorized fp32 reduction
-
-
-def _row_length(common: int) -> int:
-    """The longest divisor of ``common`` (every segment's padded length divides it) that is at
-    most _MAX_ROW elements, so that no row sum is a long fp32 reduction."""
-    if common <= _MAX_ROW:
-        return common
-    return next(common // d for d in range(-(-common // _MAX_ROW), common + 1) if common % d == 0)
-
-
-def _segments(pack: _Pack, i: int, j: int) -> _Segments:
-    key = ("segments", i, j)
-    seg = pack.cache.get(key)
-    if seg is None:
-        lengths, numels = pack.arena.lengths[i:j], pack.arena.numels[i:j]
-        blk = _row_length(math.gcd(*lengths) or 1)
-        rows = torch.tensor([n // blk for n in lengths], dtype=torch.int64)
-        row_seg = torch.repeat_interleave(torch.arange(j - i), rows)
-        # a block's real elements: what is left of its segment's from the block's start, at most blk
-        first = torch.cumsum(rows, 0) - rows  # (j-i,) each segment's first block
-        start = (torch.arange(len(row_seg)) - first[row_seg]) * blk
-        valid = (torch.tensor(numels, dtype=torch.int64)[row_seg] - start).clamp(0, blk)
-        pad = torch.cat([torch.arange(a + n, a + length) for a, n, length
-                         in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), numels, lengths)])
-        nb, dev = len(row_seg), pack.arena.device
-        per = max(1, _CHUNK // blk)
-        sq = torch.empty(2 * nb, dtype=_norm_dtype(pack.arena.dtype), device=dev)
-        seg = pack.cache[key] = _Segments(blk, rows.repeat(2).to(dev), row_seg.to(dev), valid.to(dev), pad.to(dev),
-                                          sq, [(a, min(a + per, nb)) for a in range(0, nb, per)], max(lengths))
-    return seg
-
-
-def _block_sumsq(seg: _Segments, a: int, b: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Sums of squares of rows a..b-1 of x and y, (b - a, blk) each, into seg.sq (x's, then
-    y's): eager row norms, squared (what the native kernels compute in their one pass)."""
-    nb = len(seg.row_seg)
-    for lo, t in ((a, x), (nb + a, y)):
-        out = seg.sq[lo:lo + b - a]
-        torch.linalg.vector_norm(t, dim=1, dtype=seg.sq.dtype, out=out)
-        out.square_()
-
-
-def _segment_norms(pack: _Pack, i: int, j: int, seg: _Segments) -> torch.Tensor:
-    """(2*(j-i),) per-segment L2 norms of the two buffers whose row sums of squares are in
-    seg.sq: one segment sum of the blocks' (padding is zero and adds nothing). Completed by
-    ``pack.norm_reduce`` when pack covers only part of each tensor (a shard)."""
-    # unsafe: the lengths are ours and valid (the checks cost more than the sum here); in fp64,
-    # as a long tensor has 10^5-10^6 rows to sum (one fp32 sum of them loses digits)
-    norms = torch.segment_reduce(seg.sq.double(), "sum", lengths=seg.rows, unsafe=True).sqrt_()
-    norms = norms.to(seg.sq.dtype)
-    return norms if pack.norm_reduce is None else pack.norm_reduce(i, j, norms)
-
-
-def _column(r: torch.Tensor, seg: _Segments, dtype: torch.dtype) -> torch.Tensor:
-    """A per-segment factor as a (B, 1) column, one value per block, in the buffers' dtype."""
-    return (r if r.dtype == dtype else r.to(dtype)).index_select(0, seg.row_seg).unsqueeze_(1)
-
 
 class LAMB(ArenaOptimizer):
     """LAMB (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962).
@@ -435,52 +333,46 @@ class LAMB(ArenaOptimizer):
     def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
-        p, g, m, v = _flat_args(pack, i, j, "exp_avg", "exp_avg_sq")
+    def _update_flat(self, rng: FlatRange, group: dict[str, Any], step: int) -> None:
+        p, g, m, v = rng.args("exp_avg", "exp_avg_sq")
         b1, b2 = group["betas"]
-        hyper = [b1, b2, 1 - b1, 1 - b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step]
-        seg = _segments(pack, i, j)
-        nb, blk = len(seg.row_seg), seg.blk
-        native = _native.kernel("lamb", p) if _compiling(self.compile) else None
+        hp = [b1, b2, 1 - b1, 1 - b2, group["eps"], group["weight_decay"], 1 - b1 ** step, 1 - b2 ** step]
+        seg = segments(rng)
+        nb, blk, n = len(seg.row_seg), seg.blk, rng.j - rng.i
+        native = _native.kernel("lamb", p) if compiling(self.compile) else None
         if native is not None:
             clip = group["trust_clip"]
-            hp = _hp(hyper + [group["lr"], -1.0 if clip is None else clip], p)
             # one call per step where the norms are whole here (the rest of the step, ratios
             # included, in the kernel: see _native); a shard's sums are completed across ranks
-            # between the two passes
-            whole = pack.norm_reduce is None
-            ub = self._lamb_buffer(pack, seg) if whole else seg.sq[:0]  # a shard's passes keep no u
-            run = functools.partial(native, p, g, m, v, seg.sq, ub, hp, seg.rows, seg.valid, j - i, nb, blk,
-                                    _LAMB_GROUP // p.element_size(), ub.numel())
-            if whole:
+            # between the two passes, which keep no u
+            ub = self._lamb_buffer(rng, seg) if not rng.sharded else seg.sq[:0]
+            run = functools.partial(native, p, g, m, v, seg.sq, ub, hyper(hp + [group["lr"], -1.0 if clip is None else clip], p),
+                                    seg.rows, seg.valid, n, nb, blk, _LAMB_GROUP // p.element_size(), ub.numel())
+            if not rng.sharded:
                 run(0, torch.get_num_threads())
                 return
             run(1, torch.get_num_threads())
-        else:  # u into the scratch buffer, then its row norms and w's
-            lo, hi = pack.arena.segment_range(i, j)
-            u = self._scratch(pack)[lo:hi]
-            _kernel(_lamb_kernel, self.compile)(p, g, m, v, u, _hp(hyper, p))
+        else:  # the chain's direction u into a scratch buffer, then its row norms and w's
+            u = rng.scratch(rng.arena.numel)[:p.numel()]  # (one buffer for every range of the arena)
+            kernel(_lamb_kernel, self.compile)(p, g, m, v, u, hyper(hp, p))
             u.index_fill_(0, seg.pad, 0)  # the padding's u (0/0 with eps = 0) neither counts nor moves w
-            _block_sumsq(seg, 0, nb, p.view(-1, blk), u.view(-1, blk))
+            block_sumsq(seg, 0, nb, p.view(-1, blk), u.view(-1, blk))
         # Per-tensor norms from rows that never straddle two tensors: one segment sum; the
         # update one pass with the ratio per row (see _segments): no per-tensor kernel.
-        norms = _segment_norms(pack, i, j, seg)
-        r = _rules.trust_ratio(norms[:j - i], norms[j - i:], clip=group["trust_clip"])
+        norms = segment_norms(rng, seg)
+        r = _rules.trust_ratio(norms[:n], norms[n:], clip=group["trust_clip"])
         if native is not None:  # the coefficient of each row into seg.sq, u recomputed
             torch.index_select(r * -group["lr"], 0, seg.row_seg, out=seg.sq[:nb])
             run(2, torch.get_num_threads())
         else:
-            p.view(-1, blk).addcmul_(u.view(-1, blk), _column(r, seg, p.dtype), value=-group["lr"])
+            p.view(-1, blk).addcmul_(u.view(-1, blk), column(r, seg, p.dtype), value=-group["lr"])
 
     @staticmethod
-    def _lamb_buffer(pack: _Pack, seg: _Segments) -> torch.Tensor:
+    def _lamb_buffer(rng: FlatRange, seg: Segments) -> torch.Tensor:
         """The native kernel's buffer for u: one group of tensors long (up to _LAMB_KEEP bytes;
         a longer group recomputes u), kept as the pack's scratch."""
-        size = pack.arena.param.element_size()
-        n = min(max(_LAMB_GROUP // size, seg.longest), _LAMB_KEEP // size)
-        if pack.scratch is None or pack.scratch.numel() < n:
-            pack.scratch = torch.empty(n, dtype=pack.arena.dtype, device=pack.arena.device)
-        return pack.scratch[:n]
+        size = rng.arena.param.element_size()
+        return rng.scratch(min(max(_LAMB_GROUP // size, seg.longest), _LAMB_KEEP // size))
 
     def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], key: int) -> None:
         P, G, M, V = self._lists(ps, "exp_avg", "exp_avg_sq")
@@ -526,58 +418,51 @@ class LARS(ArenaOptimizer):
     def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",)
 
-    def _update_flat(self, pack: _Pack, group: dict[str, Any], i: int, j: int, step: int) -> None:
-        p, g, buf = _flat_args(pack, i, j, "momentum_buffer")
-        seg = _segments(pack, i, j)
+    def _update_flat(self, rng: FlatRange, group: dict[str, Any], step: int) -> None:
+        p, g, buf = rng.args("momentum_buffer")
+        seg = segments(rng)
+        n = rng.j - rng.i
         p, g, buf = (t.view(-1, seg.blk) for t in (p, g, buf))
         # exclude_1d: biases and norm weights get neither decay nor adaptation; per block, so
         # that one kernel serves every tensor of the range
-        keep = self._decayed(pack, i, j, seg, bool(group["exclude_1d"]), _hp_dtype(p))
+        keep = self._decayed(rng, seg, bool(group["exclude_1d"]), hyper_dtype(p))
         wd = keep[0] * group["weight_decay"]
-        native = _native.kernels(p, "lars", "lars_apply") if _compiling(self.compile) else None
+        native = _native.kernels(p, "lars", "lars_apply") if compiling(self.compile) else None
         if native is not None:  # the row sums of squares of w and d = g + wd*w, nothing written
             native[0](p, g, wd, seg.sq, len(seg.row_seg), seg.blk, torch.get_num_threads())
         else:
             # d chunk by chunk into a chunk-sized buffer, its row norms taken while in cache
-            d = self._chunk_buffer(pack, seg)
+            rows = max(b - a for a, b in seg.chunks)
+            d = rng.scratch(rows * seg.blk).view(rows, seg.blk)
             for a, b in seg.chunks:
                 torch.addcmul(g[a:b], p[a:b], wd[a:b], out=d[:b - a])
-                _block_sumsq(seg, a, b, p[a:b], d[:b - a])
+                block_sumsq(seg, a, b, p[a:b], d[:b - a])
         # the update recomputes d, so d never makes a pass of its own
-        norms = _segment_norms(pack, i, j, seg)
-        q = _rules.trust_ratio(norms[:j - i], norms[j - i:], eta=group["eta"])
+        norms = segment_norms(rng, seg)
+        q = _rules.trust_ratio(norms[:n], norms[n:], eta=group["eta"])
         if keep[1] is not None:
             q = torch.where(keep[1], q, 1.0)
-        hp = _hp([group["lr"], group["momentum"]], p)
+        hp = hyper([group["lr"], group["momentum"]], p)
         if native is not None:
-            native[1](p, g, buf, wd, _column(q, seg, p.dtype), hp, int(group["nesterov"]), len(seg.row_seg),
+            native[1](p, g, buf, wd, column(q, seg, p.dtype), hp, int(group["nesterov"]), len(seg.row_seg),
                       seg.blk, torch.get_num_threads())
         else:
-            _kernel(_lars_mom_kernel, self.compile)(p, g, buf, wd, _column(q, seg, p.dtype), hp,
-                                                    bool(group["nesterov"]))
+            kernel(_lars_mom_kernel, self.compile)(p, g, buf, wd, column(q, seg, p.dtype), hp,
+                                                   bool(group["nesterov"]))
 
     @staticmethod
-    def _chunk_buffer(pack: _Pack, seg: _Segments) -> torch.Tensor:
-        """The pack's scratch buffer, a chunk of the direction long (not the arena's length),
-        as (rows, blk); counted by :meth:`state_bytes` like any scratch."""
-        rows = max(b - a for a, b in seg.chunks)
-        if pack.scratch is None or pack.scratch.numel() < rows * seg.blk:
-            pack.scratch = torch.empty(rows * seg.blk, dtype=pack.arena.dtype, device=pack.arena.device)
-        return pack.scratch[:rows * seg.blk].view(rows, seg.blk)
-
-    @staticmethod
-    def _decayed(pack: _Pack, i: int, j: int, seg: _Segments, exclude_1d: bool,
+    def _decayed(rng: FlatRange, seg: Segments, exclude_1d: bool,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """((B, 1) 1.0 for the blocks of decayed tensors, 0.0 for excluded ones, in the dtype of
         the hyperparameters (so that weight_decay is not rounded to a 16-bit dtype); (j-i,) bool
         mask of the adapted segments, or None when no segment of the range is excluded)."""
-        key = ("lars_keep", i, j, exclude_1d, dtype)
-        if key not in pack.cache:
-            adapt = [not (exclude_1d and pack.is1d[k]) for k in range(i, j)]
-            mask = torch.tensor(adapt, device=pack.arena.device)
+        key = ("lars_keep", rng.i, rng.j, exclude_1d, dtype)
+        if key not in rng.cache:
+            adapt = [not (exclude_1d and one) for one in rng.is1d()]
+            mask = torch.tensor(adapt, device=rng.arena.device)
             col = mask.to(dtype).index_select(0, seg.row_seg).unsqueeze(1)
-            pack.cache[key] = (col, None if all(adapt) else mask)
-        return pack.cache[key]
+            rng.cache[key] = (col, None if all(adapt) else mask)
+        return rng.cache[key]
 
     def _update_list(self, group: dict[str, Any], ps: list[torch.Tensor], key: int) -> None:
         P, G, B = self._lists(ps, "momentum_buffer")
@@ -586,13 +471,14 @@ class LARS(ArenaOptimizer):
         d = list(G.ts)
         if wd:  # per-tensor decay: none for excluded tensors
             keep = [k for k, ex in enumerate(exclude) if not ex]
-            decayed = _rules.lars_direction(_rules.TensorList([ps[k] for k in keep]),
-                                            _rules.TensorList([d[k] for k in keep]), weight_decay=wd)
+            decayed = _rules.add_decayed_weights(_rules.TensorList([d[k] for k in keep]) * 1,
+                                                 _rules.TensorList([ps[k] for k in keep]), wd)
             for k, dk in zip(keep, decayed.ts):
                 d[k] = dk
         norms = self._tensor_norms(P.ts + d)  # full-tensor norms over DTensor shards
         q = _rules.trust_ratio(norms[:len(ps)], norms[len(ps):], eta=group["eta"])
         q = torch.where(torch.tensor(exclude), torch.ones_like(q), q)
-        _rules.momentum_update(P, _rules.TensorList(torch._foreach_mul(d, list(q.unbind()))), B, lr=group["lr"],
-                               momentum=group["momentum"], nesterov=group["nesterov"])
+        step = _rules.heavy_ball(_rules.TensorList(torch._foreach_mul(d, list(q.unbind()))), B,
+                                 momentum=group["momentum"], nesterov=group["nesterov"])
+        _rules.apply(P, step, group["lr"])
         torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)

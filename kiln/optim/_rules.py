@@ -1,4 +1,5 @@
-"""Update rules, each written once (optax style) and run unchanged by three callers:
+"""Update rules as small transforms that chain (optax's ``chain(scale_by_adam(),
+add_decayed_weights(), ...)``), each written once and run unchanged by three callers:
 
 - a flat (N,) arena buffer, eagerly (reference and fallback path);
 - the same, inside ``torch.compile`` (LAMB, LARS), with hyperparameters as 0-d tensors so a
@@ -6,28 +7,39 @@
 - a :class:`TensorList` of per-parameter tensors (``contiguous=False``), whose arithmetic
   maps onto ``torch._foreach_*`` kernels; this mode serves FSDP2 / DTensor parameters.
 
-Two kinds of rule:
+The transforms:
 
-- :func:`sgd` and :func:`adam` are pure (they return new tensors) and are the *reference*
-  for torch's fused kernels (``torch._fused_sgd_``, ``torch._fused_adam(w)_``), which are
-  what kiln runs on both the flat buffer and the per-parameter lists wherever they exist
-  (CPU, CUDA); the rules run only on other devices and in the tests that pin them to the
-  kernels.
-- :func:`lamb_direction` and :func:`momentum_update` update the optimizer state they are
-  given *in place* (``lerp_``, ``mul_``, ``addcmul_``, ...), because they are the only
-  implementation of their math: in place, the TensorList path costs one ``_foreach_*_``
-  launch per operation instead of a fresh list of tensors per operation (allocating ~200
-  tensors of up to 256 KB per operation was most of the 94 ms of the old multi-tensor
-  step), and inside ``torch.compile`` in-place and pure code compile to the same kernel.
+- :func:`adam_moments` (m, v and AMSGrad's max, in place) and :func:`adam_direction`
+  (m-hat / (sqrt(v-hat) + eps), a new tensor);
+- :func:`add_decayed_weights`: u + wd * p (decay into a gradient, or decoupled decay into a
+  direction);
+- :func:`trust_ratio`: the per-tensor factor ||w|| / ||u|| of LAMB and LARS, from per-segment
+  norms the caller reduced (see :mod:`kiln.optim._segments`);
+- :func:`heavy_ball`: momentum (SGD's, with dampening and Nesterov; LARS's);
+- :func:`apply`: p - lr * direction.
 
-Per-tensor statistics (LAMB, LARS trust ratios) are the caller's job: it reduces over
-segments and hands the rule a per-segment vector (see :func:`trust_ratio`).
+The rules chain them:
+
+- :func:`sgd` = add_decayed_weights -> heavy_ball -> apply;
+- :func:`adam` = (Adam: add_decayed_weights | AdamW: decay of p) -> adam_moments ->
+  adam_direction -> apply, in torch's order of operations;
+- LAMB = adam_moments -> adam_direction -> add_decayed_weights -> trust_ratio -> apply
+  (:func:`lamb_direction` is its first three; the optimizer reduces the norms);
+- LARS = add_decayed_weights -> trust_ratio -> heavy_ball -> apply.
+
+:func:`sgd` and :func:`adam` are the *reference* for torch's fused kernels
+(``torch._fused_sgd_``, ``torch._fused_adam(w)_``), which are what kiln runs on both the flat
+buffer and the per-parameter lists wherever they exist (CPU, CUDA). LAMB and LARS have no
+torch kernel: these rules are their math; the native CPU kernels (:mod:`kiln.optim._native`)
+fuse the same chains and are tested against them. State is updated in place (``lerp_``,
+``mul_``, ``addcmul_``, ...): the TensorList path then costs one ``_foreach_*_`` launch per
+operation instead of a fresh list of tensors per operation, and inside ``torch.compile``
+in-place and pure code compile to the same kernel.
 
 >>> import torch
 >>> p, g = torch.ones(4), torch.full((4,), 0.5)
->>> new_p, new_buf = sgd(p, g, None, lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
-...                      nesterov=False, first_step=True)
->>> new_p.tolist()
+>>> sgd(p, g, None, lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+...     first_step=True).tolist()
 [0.949999988079071, 0.949999988079071, 0.949999988079071, 0.949999988079071]
 """
 
@@ -37,8 +49,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["TensorList", "sgd", "adam", "lamb_direction", "trust_ratio", "lars_direction",
-           "momentum_update"]
+__all__ = ["TensorList", "adam", "adam_direction", "adam_moments", "add_decayed_weights", "apply", "heavy_ball",
+           "lamb_direction", "sgd", "trust_ratio"]
 
 
 def _ts(x: Any) -> Any:
@@ -90,8 +102,12 @@ class TensorList:
     def lerp(self, end: "TensorList", weight: float) -> "TensorList":
         return TensorList(torch._foreach_lerp(self.ts, end.ts, weight))
 
-    def maximum(self, o: "TensorList") -> "TensorList":
-        return TensorList(torch._foreach_maximum(self.ts, o.ts))
+    def maximum_(self, o: "TensorList") -> "TensorList":
+        torch._foreach_maximum_(self.ts, o.ts)
+        return self
+
+    def clone(self) -> "TensorList":
+        return TensorList(t.clone() for t in self.ts)
 
     # in place
     def add_(self, o: Any, alpha: float = 1) -> "TensorList":
@@ -129,62 +145,37 @@ class TensorList:
         torch._foreach_addcdiv_(self.ts, t1.ts, t2.ts, value=value)
         return self
 
-    def copy_into(self, dst: "TensorList") -> None:
-        torch._foreach_copy_(dst.ts, self.ts)
+    def copy_(self, src: "TensorList") -> "TensorList":
+        torch._foreach_copy_(self.ts, src.ts)
+        return self
 
 
-def sgd(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first_step, maximize=False):
-    """torch.optim.SGD's rule. Returns (new_p, new_buf); buf is None without momentum.
+# -- the transforms ------------------------------------------------------------------------------
 
-    d = g + wd*p;  buf = d on the first step, else momentum*buf + (1-dampening)*d;
-    step = d + momentum*buf (Nesterov) or buf;  p = p - lr*step.
-    """
-    d = -g if maximize else g
-    if weight_decay:
-        d = d + weight_decay * p
-    if momentum:
-        buf = d if first_step else buf * momentum + (1 - dampening) * d
-        d = d + momentum * buf if nesterov else buf
-    return p - lr * d, buf
-
-
-def adam(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, decoupled, bc1, bc2,
-         maximize=False):
-    """Adam (decoupled=False: L2 decay into the gradient) or AdamW (decoupled=True).
-
-    bc1, bc2 are the bias corrections 1-beta1**t and 1-beta2**t. vmax is the AMSGrad running
-    maximum or None. Returns (p, m, v, vmax), the same ordering of operations as torch's
-    for-loop implementation so that results agree to rounding.
-    """
-    if maximize:
-        g = -g
-    if weight_decay:
-        if decoupled:
-            p = p * (1 - lr * weight_decay)
-        else:
-            g = g + weight_decay * p
-    m = m.lerp(g, 1 - beta1)
-    v = v * beta2 + (1 - beta2) * (g * g)
-    if vmax is not None:
-        vmax = vmax.maximum(v)
-    denom = (v if vmax is None else vmax).sqrt() / (bc2 ** 0.5) + eps
-    return p - (lr / bc1) * (m / denom), m, v, vmax
-
-
-def lamb_direction(p, g, m, v, *, beta1, beta2, eps, weight_decay, bc1, bc2, c1=None, c2=None):
-    """LAMB's per-element direction (You et al. 2019, arXiv 1904.00962, Algorithm 2).
-
-    m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*g^2     (m, v updated in place)
-    u = (m/bc1) / (sqrt(v/bc2) + eps) + wd*p                   (returned, a new tensor)
-
-    The caller scales u per tensor by :func:`trust_ratio` and applies p = p - lr * ratio * u.
-    c1, c2 may pass 1-beta1, 1-beta2 precomputed in float64 (a compiled caller holds betas
-    as fp32 tensors, where 1-0.9 would round differently).
-    """
+def adam_moments(g, m, v, vmax=None, *, beta1, beta2, c1=None, c2=None):
+    """Adam's moments, in place: m = beta1*m + (1-beta1)*g (torch's lerp);
+    v = beta2*v + (1-beta2)*g^2; AMSGrad's vmax = max(vmax, v). c1, c2 may pass 1-beta1, 1-beta2
+    precomputed in float64 (a compiled caller holds betas as fp32 tensors, where 1-0.9 would
+    round differently)."""
     m.lerp_(g, 1 - beta1 if c1 is None else c1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2 if c2 is None else c2)
-    denom = (v / bc2).sqrt_().add_(eps)
-    return (p * weight_decay).addcdiv_(m, denom, value=1 / bc1)
+    if vmax is not None:
+        vmax.maximum_(v) if isinstance(vmax, TensorList) else torch.maximum(vmax, v, out=vmax)
+
+
+def adam_direction(m, v, *, eps, bc1, bc2):
+    """The bias-corrected direction (m / bc1) / (sqrt(v / bc2) + eps), a new tensor (v: AMSGrad's
+    max where it keeps one); bc1, bc2 are 1 - beta1**t and 1 - beta2**t."""
+    return (m / ((v / bc2).sqrt_().add_(eps))).div_(bc1)
+
+
+def add_decayed_weights(u, p, weight_decay):
+    """u + weight_decay * p, in place on u (a gradient's copy: coupled decay; a direction:
+    decoupled decay, LAMB's and AdamW's). weight_decay may be a tensor that broadcasts (LARS:
+    per block over the arena, 0 where a tensor is excluded)."""
+    if isinstance(weight_decay, torch.Tensor):
+        return u.addcmul_(p, weight_decay)
+    return u.add_(p, alpha=weight_decay) if weight_decay else u
 
 
 def trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, *, eta=1.0, clip=None) -> torch.Tensor:
@@ -200,19 +191,61 @@ def trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, *, eta=1.0, clip=Non
     return torch.where(ok, (w_norm if eta == 1.0 else eta * w_norm) / u_norm, 1.0)
 
 
-def lars_direction(p, g, *, weight_decay):
-    """LARS's direction d = g + wd*p, whose per-tensor norm sets the trust ratio. weight_decay
-    may be a tensor that broadcasts (per block over the arena, 0 where a tensor is excluded);
-    the arena takes the norms of the same sum computed by ``torch.addcmul(g, p, wd)``."""
-    return g + weight_decay * p
+def heavy_ball(d, buf, *, momentum, dampening=0.0, nesterov=False, first=False):
+    """Momentum on direction d, in place on buf (and d, with Nesterov): buf = d on the first
+    step (torch.optim.SGD), else momentum*buf + (1-dampening)*d; returns d + momentum*buf
+    (Nesterov) or buf. A buffer that starts at zero makes any step a first one (LARS)."""
+    if first:
+        buf.copy_(d)
+    else:  # (products, not alpha=: a compiled caller's momentum is a 0-d tensor)
+        buf.mul_(momentum).add_(d * (1 - dampening) if dampening else d)
+    return d.add_(buf * momentum) if nesterov else buf
 
 
-def momentum_update(p, d, buf, *, lr, momentum, nesterov):
-    """Heavy-ball step on an already-scaled direction d, in place on p and buf (and d, which
-    is consumed): buf = momentum*buf + d;  p = p - lr * (d + momentum*buf if nesterov else buf).
+def apply(p, step, lr):
+    """p = p - lr * step, in place."""
+    return p.sub_(step * lr)
 
-    With buf starting at zero, the first step sets buf = d, as torch.optim.SGD does.
+
+# -- the rules: chains of the transforms --------------------------------------------------------------
+
+def sgd(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first_step, maximize=False):
+    """torch.optim.SGD's rule, in place on p and buf (buf is None without momentum); returns p.
+
+    d = g + wd*p;  buf = d on the first step, else momentum*buf + (1-dampening)*d;
+    step = d + momentum*buf (Nesterov) or buf;  p = p - lr*step.
     """
-    buf.mul_(momentum).add_(d)
-    step = d.add_(buf * momentum) if nesterov else buf
-    p.sub_(step * lr)
+    d = add_decayed_weights(-g if maximize else g * 1, p, weight_decay)  # (a copy: the gradient stays)
+    if momentum:
+        d = heavy_ball(d, buf, momentum=momentum, dampening=dampening, nesterov=nesterov, first=first_step)
+    return apply(p, d, lr)
+
+
+def adam(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, decoupled, bc1, bc2, maximize=False):
+    """Adam (decoupled=False: L2 decay into the gradient) or AdamW (decoupled=True), in place
+    on p, m, v and vmax (AMSGrad's running maximum, or None); returns p.
+
+    bc1, bc2 are the bias corrections 1-beta1**t and 1-beta2**t. AdamW decays p before the
+    step, as torch does: p*(1 - lr*wd) - lr*direction.
+    """
+    if maximize:
+        g = -g
+    if weight_decay:
+        if decoupled:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = add_decayed_weights(g * 1, p, weight_decay)
+    adam_moments(g, m, v, vmax, beta1=beta1, beta2=beta2)
+    return apply(p, adam_direction(m, v if vmax is None else vmax, eps=eps, bc1=bc1, bc2=bc2), lr)
+
+
+def lamb_direction(p, g, m, v, *, beta1, beta2, eps, weight_decay, bc1, bc2, c1=None, c2=None):
+    """LAMB's per-element direction (You et al. 2019, arXiv 1904.00962, Algorithm 2): Adam's
+    moments (in place on m, v) and direction, then decoupled decay::
+
+        u = (m/bc1) / (sqrt(v/bc2) + eps) + wd*p      (returned, a new tensor)
+
+    The caller scales u per tensor by :func:`trust_ratio` and applies p = p - lr * ratio * u.
+    """
+    adam_moments(g, m, v, beta1=beta1, beta2=beta2, c1=c1, c2=c2)
+    return add_decayed_weights(adam_direction(m, v, eps=eps, bc1=bc1, bc2=bc2), p, weight_decay)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "rank", "world_size", "is_main", "backend_for"]
+__all__ = ["init_distributed", "rank", "world_size", "is_main", "backend_for", "reducer"]
 
 
 def backend_for(device: torch.device | str | None = None) -> str:
@@ -74,3 +75,15 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
 def is_main() -> bool:
     """True on global rank 0 (and in a single process): the one that logs and writes files."""
     return rank() == 0
+
+
+def reducer(group: dist.ProcessGroup | None) -> Any:
+    """``reduce(t, op="sum")``: ``t`` summed (or, with op "max", maxed) in place over the ranks
+    of ``group``. What kiln.optim, which never communicates itself, is given to complete values
+    that other ranks hold the rest of (a ZeRO shard's norms, a pipeline's other stages)."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+    def reduce(t: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(t, op=ops[op], group=group)
+
+    return reduce

@@ -132,7 +132,10 @@ class Parallel:
         piece counted once); returns the norm before clipping, the same on every rank."""
         import kiln.optim
 
-        return kiln.optim.clip_grad_norm_(optimizer, max_norm, extra_group=self.pp_group)
+        from kiln.parallel._dist import reducer
+
+        extra = reducer(self.pp_group) if self.pp_group is not None else None
+        return kiln.optim.clip_grad_norm_(optimizer, max_norm, extra_reduce=extra)
 
 
 class _RankView(nn.Module):

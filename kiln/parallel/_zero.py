@@ -3,8 +3,8 @@
 Every rank holds the whole model. Stage 0 averages gradients with one ``all_reduce`` per
 arena. Under ZeRO (Rajbhandari et al., arXiv 1910.02054) the optimizer shards itself
 (:meth:`kiln.optim.ArenaOptimizer.shard`: it steps only the rank's contiguous shard of each
-arena, holds state for that alone, sums LAMB/LARS norms over the group); this wrapper moves
-the bytes. Stage 1 reduce-scatters gradients (averaged) in place into the shard, a view of
+arena and holds state for that alone); this wrapper owns the sharding and moves the bytes,
+and gives the optimizer the sum over the group that completes LAMB's and LARS's norms. Stage 1 reduce-scatters gradients (averaged) in place into the shard, a view of
 the full gradient, and all-gathers the parameters after the step (on gloo, whose
 reduce-scatter and all-gather are slow, an all-reduce and one broadcast per shard owner). Stage 2 also frees the full
 gradient after the reduce-scatter (storage resized to 0, ``p.grad`` None) until the next
@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from kiln.optim import ArenaOptimizer, ArenaSlice
+from kiln.parallel._dist import reducer
 
 __all__ = ["ZeroOptimizer", "broadcast_parameters", "all_reduce_gradients", "sync_gradients"]
 
@@ -248,7 +249,8 @@ class ZeroOptimizer(Optimizer):
             self._buckets = _Buckets(optimizer, stage, group, self.world, int(bucket_mb * 2**20))
         if stage == 0:
             return
-        optimizer.shard(self.rank, self.world, group, keep_full_grad=stage == 1)  # 1: reduce-scatter in place
+        # 1: reduce-scatter in place; kiln.optim sums LAMB/LARS norms over the shards with ours
+        optimizer.shard(self.rank, self.world, reducer(group), keep_full_grad=stage == 1)
         if stage == 2:
             self._grad_nbytes = [a.grad.untyped_storage().nbytes() for a in optimizer.arenas]
 
