@@ -713,3 +713,36 @@ def test_optimizers_registry_and_trainer_call():
         assert isinstance(opt, torch.optim.Optimizer)
         assert opt.param_groups[1]["weight_decay"] == 0.0
         train(m, opt, 2)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+@pytest.mark.parametrize("exclude_1d", [True, False])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_native_lars_matches_the_chain_it_fuses_on_boundary_inputs(wd, exclude_1d, nesterov):
+    """LARS's native kernels against its eager chain (add_decayed_weights -> trust_ratio ->
+    heavy_ball -> apply) and the per-tensor reference, in fp64: a (20, 20) weight, a 7-element
+    vector and a 0-d tensor, whose segments end in alignment padding that must stay zero."""
+    torch.manual_seed(0)
+    init = [torch.randn(20, 20, dtype=torch.float64), torch.randn(7, dtype=torch.float64),
+            torch.randn((), dtype=torch.float64)]
+    runs = {}
+    for compile in (None, False):  # native where it builds, then the eager chain
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = ko.LARS(ps, lr=0.5, weight_decay=wd, nesterov=nesterov, exclude_1d=exclude_1d, compile=compile)
+        for step in range(10):
+            opt.zero_grad()
+            sum((p * (0.1 * (step + 1) + t)).sum() for p, t in zip(ps, init)).backward()
+            opt.step()
+        (arena,) = opt.arenas
+        real = torch.zeros(arena.numel, dtype=torch.bool)
+        for o, n in zip(arena.offsets.tolist(), arena.numels):
+            real[o:o + n] = True
+        assert arena.param[~real].eq(0).all()
+        runs[compile] = [p.detach().clone() for p in ps]
+    ref, bufs = [t.clone() for t in init], {}
+    for step in range(10):
+        _ref_lars(ref, [torch.full_like(t, 0.1 * (step + 1)) + t for t in init], bufs, 0.5, 0.9, wd, 0.001, nesterov,
+                  exclude_1d)
+    for native, eager, r in zip(runs[None], runs[False], ref):
+        torch.testing.assert_close(native, eager, rtol=1e-13, atol=1e-14)
+        torch.testing.assert_close(eager, r, rtol=1e-12, atol=1e-13)
