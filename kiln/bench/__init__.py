@@ -3,17 +3,18 @@
 Each benchmark measures kiln against the plain PyTorch way *in the same process run*
 and reports ratios, because absolute times on a shared machine drift by 30% or more.
 
-A benchmark is a module ``kiln.bench.<module>`` with a function::
-
-    def run(out_dir: pathlib.Path, quick: bool = False) -> dict
-
-that prints a table, writes ``out_dir/<name>.json`` and a PNG chart, and returns the
-JSON-able results. ``quick=True`` shrinks the work to a smoke run (used by tests).
+A benchmark is a module ``kiln.bench.<module>`` whose ``measure(quick)`` returns its rows, the
+columns to show them in and its JSON (:class:`kiln.bench._harness.Result`); the harness makes
+that its ``run(out_dir, quick=False)``, which prints the table with the machine line and
+writes ``out_dir/<name>.json``, ``.txt`` and ``.png``. ``quick=True`` shrinks the work to a
+smoke run (used by tests); a full run through :func:`run_benchmark` (``kiln bench NAME``) also
+replaces the benchmark's section of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +31,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, compile, batch, bf16-true"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
 }
+
+# what a benchmark needs beyond kiln's own dependencies, and the extra that installs it
+NEEDS: dict[str, tuple[tuple[str, ...], str]] = {"hf": (("transformers", "accelerate"), "bench")}
 
 
 def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
@@ -48,6 +52,11 @@ def check_benchmark(name: str, family: str | None = None) -> dict[str, Any]:
     an unknown name, ValueError for an option it does not take or a bad value. ``family``: the
     model families of a benchmark that takes them (``parallel``)."""
     run = get_benchmark(name)
+    modules, extra = NEEDS.get(name, ((), ""))
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"kiln bench {name} needs {' and '.join(missing)}, not installed here: "
+                         f"pip install 'kiln[{extra}]'")
     options: dict[str, Any] = {}
     if family is not None:
         import inspect
@@ -64,8 +73,11 @@ def check_benchmark(name: str, family: str | None = None) -> dict[str, Any]:
 def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False,
                   family: str | None = None) -> dict[str, Any]:
     """Run benchmark ``name`` into ``out_dir`` (default ``bench_results/NAME``); a bad name or
-    option is refused (:func:`check_benchmark`) before the folder is made."""
+    option, or a missing package, is refused (:func:`check_benchmark`) before the folder is made.
+    A full run (not ``quick``) also writes its section of ``docs/benchmarks.md``."""
+    from kiln.bench._harness import DOCS
+
     options = check_benchmark(name, family)
     out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
-    out.mkdir(parents=True, exist_ok=True)
-    return get_benchmark(name)(out, quick=quick, **options)
+    docs = DOCS if not quick and DOCS.parent.is_dir() else None  # (no docs/ beside an installed kiln)
+    return get_benchmark(name)(out, quick=quick, docs=docs, **options)

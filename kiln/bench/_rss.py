@@ -1,11 +1,14 @@
-"""Resident memory of this process for the benchmarks that measure whole runs per rank
-(``kiln bench parallel``, ``kiln bench vit``), where CPU memory is the peak that matters."""
+"""Memory a process holds, for the benchmarks that measure it: resident memory from
+``/proc/self`` (``kiln bench memory``, ``parallel``, ``vit``: on CPU the peak that matters) and
+the bytes of the storages behind tensors (``kiln bench zero``, ``parallel``)."""
 
 from __future__ import annotations
 
 import gc
 import re
 from pathlib import Path
+
+import torch
 
 
 class Rss:
@@ -19,6 +22,7 @@ class Rss:
             self._trim = ctypes.CDLL("libc.so.6").malloc_trim
         except OSError:
             self._trim = None
+        self.peak_reset = True  # False once Linux refused a reset: VmHWM is then the process's peak
 
     @staticmethod
     def read() -> dict[str, int]:
@@ -30,5 +34,18 @@ class Rss:
         gc.collect()
         if self._trim is not None:
             self._trim(0)  # freed memory glibc keeps would be reused without raising the RSS
-        Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to VmRSS (Linux >= 4.0)
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to VmRSS (Linux >= 4.0)
+        except OSError:
+            self.peak_reset = False
         return self.read()["VmRSS"]
+
+
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct, allocated storages behind tensors (a DTensor: its local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = getattr(t, "_local_tensor", t).untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

@@ -26,12 +26,9 @@ workers / CPU per batch without): an estimate of the speedup on idle CPUs, label
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
-from kiln.hardware import machine_info, machine_line
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, children_cpu_s, target
 
-__all__ = ["run", "AugmentedDigits"]
+__all__ = ["run", "measure", "AugmentedDigits"]
 
 FULL = dict(batch_size=32, batches=24, repeats=2)
 QUICK = dict(batch_size=8, batches=3, repeats=1)
@@ -113,12 +110,10 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _measure(dataset: Dataset, workers: int | str, batch_size: int, batches: int) -> dict[str, float]:
     """One epoch of exactly ``batches + 1`` batches, so that no prefetched work is left over."""
-    import resource
-
     from kiln.data import build_loader
 
     subset = Subset(dataset, range((batches + 1) * batch_size))
-    children_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    children_cpu = children_cpu_s()
     cpu_start = time.process_time()
     loader = build_loader(subset, batch_size, shuffle=True, seed=0, workers=workers)
     start = time.perf_counter()
@@ -131,9 +126,7 @@ def _measure(dataset: Dataset, workers: int | str, batch_size: int, batches: int
     elapsed, main_cpu = time.perf_counter() - start, time.process_time() - main_cpu_start
     num_workers = loader.num_workers
     del it, loader  # shuts the workers down and waits for them, so their CPU time is counted below
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    workers_cpu = (after.ru_utime - children_cpu.ru_utime) + (after.ru_stime - children_cpu.ru_stime)
-    total_cpu = time.process_time() - cpu_start + workers_cpu
+    total_cpu = time.process_time() - cpu_start + children_cpu_s() - children_cpu
     return {
         "workers": num_workers,
         "time_to_first_batch_s": first,
@@ -172,27 +165,8 @@ def _cpu_parallelism(processes: int, n: int = 2_000_000) -> float:
     return serial / parallel
 
 
-def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-
-    names = list(results)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax1.bar(names, [results[n]["samples_per_s"] for n in names], color=["tab:gray", "tab:orange"])
-    ax1.set_ylabel("samples / s (higher is better)")
-    ax1.set_title("throughput after the first batch")
-    ax2.bar(names, [results[n]["time_to_first_batch_s"] for n in names], color=["tab:gray", "tab:orange"])
-    ax2.set_ylabel("seconds (lower is better)")
-    ax2.set_title("time to first batch")
-    fig.suptitle("kiln bench dataloader: augmented digits")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    """Measure ``workers=0`` and ``workers="auto"``; print the table, write ``dataloader.json`` and ``.png``."""
+def measure(quick: bool = False) -> Result:
+    """Measure ``workers=0`` and ``workers="auto"``, alternating, the best of ``repeats`` runs each."""
     from kiln.data import resolve_workers
 
     spec = QUICK if quick else FULL
@@ -226,22 +200,11 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
     projected = max(auto, 1) / cpu_ratio
     speedup = results["workers=auto"]["samples_per_s"] / results["workers=0"]["samples_per_s"]
 
-    machine = {**machine_info(), "threads": 1}  # torch runs single-threaded in every loader process
-    print(f"kiln bench dataloader on {machine_line(machine)} per process")
-    print(f"{'loader':14} {'workers':>7} {'samples/s':>10} {'ms/batch':>9} {'main CPU ms/batch':>18} "
-          f"{'first batch s':>14}")
-    for name, r in results.items():
-        print(f"{name:14} {r['workers']:7d} {r['samples_per_s']:10.1f} {r['ms_per_batch']:9.1f} "
-              f"{r['main_cpu_ms_per_batch']:18.1f} {r['time_to_first_batch_s']:14.3f}")
-    met = speedup >= TARGET_SPEEDUP
-    print(f"speedup workers=auto ({auto}) vs workers=0: {speedup:.2f}x "
-          f"(target {TARGET_SPEEDUP}x: {'met' if met else 'MISSED'}); {sample_ms:.2f} ms per sample in-process")
-    print(f"CPU time per batch, all processes: workers=auto / workers=0 = {cpu_ratio:.2f}; "
-          f"projected speedup on {auto} idle CPUs: {projected:.2f}x")
-    print(f"cpu_parallelism: {auto} processes ran {parallelism:.2f}x as fast as one on this machine just before "
-          f"(load average {os.getloadavg()[0]:.1f})")
-
     notes = [
+        f"speedup workers=auto ({auto}) vs workers=0: {speedup:.2f}x; {sample_ms:.2f} ms per sample in-process",
+        f"CPU time per batch, all processes: workers=auto / workers=0 = {cpu_ratio:.2f}; projected speedup "
+        f"on {auto} idle CPUs: {projected:.2f}x",
+        f"cpu_parallelism: {auto} processes ran {parallelism:.2f}x as fast as one on this machine just before",
         "projected_speedup_idle = auto workers / cpu_cost_ratio: an estimate from CPU time, not a measurement",
         "samples/s is the best of `repeats` runs over `batches` batches after the first; "
         "time to first batch is the best of the runs and includes starting the workers",
@@ -256,19 +219,22 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
         notes.append(f"only {auto} worker(s) for 'auto' on this machine: no speedup is expected")
     if quick:
         notes.append("quick run: too few batches for the numbers to mean anything")
+    rows = [{"loader": name, **r} for name, r in results.items()]
+    cols = [Col("loader", "loader"), Col("workers", "workers"), Col("samples/s", "samples_per_s", ".1f"),
+            Col("ms/batch", "ms_per_batch", ".1f"), Col("main CPU ms/batch", "main_cpu_ms_per_batch", ".1f"),
+            Col("first batch s", "time_to_first_batch_s", ".3f")]
+    chart = [Bars("throughput after the first batch", rows, "loader", {"samples/s": "samples_per_s"},
+                  "samples / s (higher is better)"),
+             Bars("time to first batch", rows, "loader", {"s": "time_to_first_batch_s"}, "seconds (lower is better)")]
     report = {
-        "machine": machine,
         "setup": dict(spec, upsample=dataset.upsample, out=dataset.out, sample_ms_in_process=sample_ms,
-                      auto_workers=auto, cpu_parallelism=parallelism, load_average=os.getloadavg(), torch=torch.__version__, quick=quick),
-        "results": results,
-        "runs": runs,
-        "speedup": speedup,
-        "cpu_cost_ratio": cpu_ratio,
+                      auto_workers=auto, cpu_parallelism=parallelism, torch=torch.__version__, quick=quick),
+        "results": results, "runs": runs, "speedup": speedup, "cpu_cost_ratio": cpu_ratio,
         "projected_speedup_idle": projected,
-        "target": {"name": "speedup", "value": speedup, "min": TARGET_SPEEDUP, "met": met},
-        "notes": notes,
     }
-    out_dir = Path(out_dir)
-    (out_dir / "dataloader.json").write_text(json.dumps(report, indent=2))
-    _plot(results, out_dir / "dataloader.png")
-    return report
+    # torch runs single-threaded in every loader process
+    return Result(report, [Table(rows, cols)], "augmented digits, workers=0 against workers=auto", chart,
+                  {"speedup": target(speedup, TARGET_SPEEDUP, higher=True)}, notes, threads=1, processes=max(auto, 1))
+
+
+run = benchmark("dataloader", measure)

@@ -67,17 +67,13 @@ the same thing: the same losses to float32 rounding).
 from __future__ import annotations
 
 import gc
-import json
-import os
-import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from kiln.hardware import machine_info, machine_line
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, paired
 
 # Shape legend: B batch (per rank), T sequence length, C width, V vocabulary.
 
@@ -308,106 +304,54 @@ def _per_round(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
 def _row(name: str, one: list[dict[str, Any]], two: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     batch = BATCH[name]
-    base = _median(one, "samples_per_s")
+    base = median(r["samples_per_s"] for r in one)
     methods = {}
     for m, runs in two.items():
-        sps, comm, hidden = (_median(runs, k) for k in ("samples_per_s", "comm_ms_per_step", "hidden_share"))
+        sps, comm, hidden, backward = (median(r[k] for r in runs) for k in
+                                       ("samples_per_s", "comm_ms_per_step", "hidden_share", "backward_ms_per_step"))
         methods[m] = {
             "samples_per_s": sps, "step_ms": batch / sps * 1e3,
             "speedup": sps / base, "efficiency": sps / (2 * base),
             "comm_ms_per_step": comm, "hidden_share": hidden, "exposed_comm_ms_per_step": comm * (1 - hidden),
-            "backward_ms_per_step": _median(runs, "backward_ms_per_step"),
+            "backward_ms_per_step": backward, "vs_torch_ddp": paired(runs, two["torch_ddp"], "samples_per_s")[0],
             "classes": runs[0]["classes"], "losses": runs[0]["losses"], "rounds": runs,
         }
-    for m in methods:
-        methods[m]["vs_torch_ddp"] = _paired(two, m, "torch_ddp")
+    zero2, by_round = paired(two["kiln_zero2"], two["kiln_overlap"], "samples_per_s")
     return {"model": name, "n_params": one[0]["n_params"], "global_batch": batch, "steps": one[0]["steps"],
             "samples_per_s_1": base, "step_ms_1": batch / base * 1e3, "losses_1": one[0]["losses"],
-            "rounds_1": one, "methods": methods,
-            "zero2_vs_overlap": _paired(two, "kiln_zero2", "kiln_overlap"),
-            "zero2_vs_overlap_by_round": _by_round(two, "kiln_zero2", "kiln_overlap")}
+            "rounds_1": one, "methods": methods, "zero2_vs_overlap": zero2, "zero2_vs_overlap_by_round": by_round}
 
 
-def _by_round(two: dict[str, list[dict[str, Any]]], m: str, ref: str) -> list[float]:
-    """``m``'s samples/s over ``ref``'s in each round, where the two ran back to back in the same
-    processes (drift between rounds cancels)."""
-    return [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(two[m], two[ref])]
-
-
-def _paired(two: dict[str, list[dict[str, Any]]], m: str, ref: str) -> float:
-    return statistics.median(_by_round(two, m, ref))
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':>9} {'params':>7} {'batch':>5} | {'method':<12} {'samples/s':>9} {'vs DDP':>6} "
-            f"{'effic.':>6} | {'step ms':>7} {'comm ms':>7} {'hidden':>6} {'exposed ms':>10}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['model']:>9} {r['n_params'] / 1e6:>6.2f}M {r['global_batch']:>5} | {'1 process':<12} "
-                     f"{r['samples_per_s_1']:>9.0f} {'':>6} {'':>6} | {r['step_ms_1']:>7.1f}")
-        for name, m in r["methods"].items():
-            lines.append(f"{'':>9} {'':>7} {'':>5} | {name:<12} {m['samples_per_s']:>9.0f} "
-                         f"{m['vs_torch_ddp']:>6.2f} {m['efficiency']:>6.2f} | {m['step_ms']:>7.1f} "
-                         f"{m['comm_ms_per_step']:>7.1f} {m['hidden_share']:>6.0%} "
-                         f"{m['exposed_comm_ms_per_step']:>10.1f}")
-        lines.append(f"{'':>9} {'':>7} {'':>5} | ZeRO-2 / stage 0: {r['zero2_vs_overlap']:.2f} (goal >= 0.95)")
-    return "\n".join(lines)
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 4), squeeze=False)
-    for ax, r in zip(axes[0], rows):
-        names = list(r["methods"])
-        comm = [r["methods"][m]["comm_ms_per_step"] for m in names]
-        hidden = [r["methods"][m]["hidden_share"] for m in names]
-        bars = ax.bar(names, [r["methods"][m]["samples_per_s"] for m in names], color="C1")
-        for bar, c, h in zip(bars, comm, hidden):
-            ax.annotate(f"comm {c:.0f} ms\n{h:.0%} hidden", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
-        ax.axhline(2 * r["samples_per_s_1"], color="k", lw=1, ls="--", label="perfect scaling of 1 process")
-        ax.axhline(r["samples_per_s_1"], color="grey", lw=1, label="1 process")
-        ax.set_title(f"{r['model']} ({r['n_params'] / 1e6:.1f} M params, batch {r['global_batch']})", fontsize=9)
-        ax.set_ylabel("samples/s, 2 processes x 1 thread")
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-        ax.margins(y=0.2)
-    axes[0][0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
+def measure(quick: bool = False) -> Result:
     rounds = QUICK_ROUNDS if quick else ROUNDS
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
     rows = _measure(tuple(MODELS), quick, rounds)
-    # 2 processes x 1 thread only scale when 2 cores are free: a 1-minute load average above
-    # (cores - 2) while measuring means other work took cores from the 2-process side.
-    machine = {**machine_info(), "threads": 1,  # per process
-               "cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
-               "load_1min_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0}
+    lines = []  # the table's: a model's 1-process run, then its methods
+    for r in rows:
+        model = {"model": r["model"], "params": f"{r['n_params'] / 1e6:.2f}M", "batch": r["global_batch"]}
+        lines.append({**model, "method": "1 process", "samples_per_s": r["samples_per_s_1"], "step_ms": r["step_ms_1"]})
+        lines += [{**model, "method": name, **m} for name, m in r["methods"].items()]
+    get = lambda key: lambda line: line.get(key)  # noqa: E731 (the 1-process line has no comm)
+    cols = [Col("model", "model", group=True), Col("params", "params", group=True),
+            Col("batch", "batch", group=True), Col("method", "method"), Col("samples/s", "samples_per_s", ".0f"),
+            Col("vs DDP", get("vs_torch_ddp"), ".2f"), Col("effic.", get("efficiency"), ".2f"),
+            Col("step ms", "step_ms", ".1f"), Col("comm ms", get("comm_ms_per_step"), ".1f"),
+            Col("hidden", get("hidden_share"), ".0%"), Col("exposed ms", get("exposed_comm_ms_per_step"), ".1f")]
+    notes = [f"{r['model']}: ZeRO-2 / stage 0 = {r['zero2_vs_overlap']:.2f} (goal >= 0.95)" for r in rows]
+    chart = [Bars(f"{r['model']} ({r['n_params'] / 1e6:.1f} M params, batch {r['global_batch']})",
+                  [{"method": m, **v} for m, v in r["methods"].items()], "method", {"samples/s": "samples_per_s"},
+                  "samples/s, 2 processes x 1 thread", color=lambda _: "C1",
+                  lines={"perfect scaling of 1 process": 2 * r["samples_per_s_1"], "1 process": r["samples_per_s_1"]})
+             for r in rows]
     report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "backend": "gloo", "methods": list(METHODS),
                         "baseline_1_process": BASELINE, "lr": LR, "weight_decay": WEIGHT_DECAY, "rounds": rounds,
                         "steps": {name: dict(zip(("warmup", "timed", "profiled"),
                                                  QUICK_STEPS if quick else STEPS[name])) for name in MODELS},
                         "batch": BATCH, "models": {name: model_config(name, quick) for name in MODELS}},
-              "machine": machine, "rows": rows}
-    table = _table(rows)
-    print(f"kiln bench ddp on {machine_line(machine)} per process")
-    print(table)
-    print(f"machine: {machine['cpus']} cpus, 1-min load average {load_before:.1f} before, "
-          f"{machine['load_1min_after']:.1f} after (other work competes with the 2 processes when it is high); "
-          f"{machine['seconds']:.0f} s")
-    (out_dir / "ddp.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "ddp.txt").write_text(table + "\n")
-    _plot(rows, out_dir / "ddp.png")
-    return report
+              "rows": rows}
+    return Result(report, [Table(lines, cols)], "data parallel, 2 processes x 1 thread on gloo, torch DDP against "
+                  "kiln", chart, notes=notes, threads=1, processes=2)
+
+
+run = benchmark("ddp", measure)

@@ -30,32 +30,26 @@ dropout with p = 0.1 (to within 2**-17; see :func:`kiln.models.encoder.fast_drop
 halves the bytes that the matmuls and elementwise kernels move; compile fuses softmax,
 dropout, the activation and the residual adds into few loops.
 
-Measured here (2 runs, ms per step): a 141-157; b step 0.5-0.6 vs a's 1.2-1.4 (2.4-2.7x;
-the kiln Adam step on these 197 k parameters is Python overhead, not arithmetic); c-eager
-58-60 (2.4-2.6x); c 71-72 (2.0-2.2x). Compiling made this layer's *backward* slower (37 vs
-27 ms) at the same forward, so on this CPU the eager fused layer with fast dropout and bf16
-is the faster choice; c stays in the table because compile is part of the claim under test.
-
     python -m kiln bench encoder-layer        # or run(Path("out"), quick=True)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-import json
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, target
 from kiln.compile import apply_compile, timed_first_call
-from kiln.hardware import machine_info, machine_line
+from kiln.hardware import machine_info
 from kiln.models.encoder import EncoderLayer
 
-__all__ = ["run"]
+__all__ = ["run", "measure"]
 
 HIDDEN, FFN, HEADS, DROPOUT = 128, 512, 16, 0.1
 BATCH, SEQ = 50, 80
@@ -81,10 +75,10 @@ class _Variant:
         self.run = compiled if compiled is not None else module
         self.autocast = autocast
         self.share = share  # of each round's steps: below 1 for bf16 where it is emulated
-        self.times = {phase: [] for phase in PHASES}
+        self.times: dict[str, list[float]] = {phase: [] for phase in PHASES}
         self.first_step_s = 0.0
 
-    def step(self, x: torch.Tensor, record: bool) -> None:
+    def step(self, x: torch.Tensor, record: bool = True) -> None:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         t0 = time.perf_counter()
         with ctx:
@@ -101,15 +95,9 @@ class _Variant:
                 self.times[phase].append(seconds)
 
     def summary(self) -> dict[str, Any]:
-        ms = {phase: 1e3 * _median(values) for phase, values in self.times.items()}
+        ms = {phase: 1e3 * median(values) for phase, values in self.times.items()}
         ms["total"] = sum(ms[phase] for phase in PHASES)
         return {"label": self.label, "ms_per_step": ms, "first_step_seconds": self.first_step_s}
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def _build(quick: bool, notes: list[str]) -> list[_Variant]:
@@ -152,90 +140,47 @@ def _build(quick: bool, notes: list[str]) -> list[_Variant]:
     return variants
 
 
-def _print_table(results: dict[str, dict[str, Any]], machine: dict[str, Any]) -> None:
-    base = results["a"]["ms_per_step"]
-    print(f"kiln bench encoder-layer on {machine_line(machine)}")
-    print(f"{'':12} {'variant':40} {'forward':>8} {'backward':>8} {'step':>8} {'total':>8}   (s per 1000 steps)")
-    for name, r in results.items():
-        ms = r["ms_per_step"]
-        print(f"{name:12} {r['label']:40} " + " ".join(f"{ms[k] / 1e3 * 1e3:8.1f}" for k in (*PHASES, "total")))
-    print(f"{'':12} {'speedup vs a':40} " + " ".join(" " * 8 for _ in range(4)))
-    for name, r in results.items():
-        ms = r["ms_per_step"]
-        print(f"{name:12} {'':40} " + " ".join(f"{base[k] / ms[k]:7.2f}x" for k in (*PHASES, "total")))
-
-
-def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-
-    names = list(results)
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1.5))
-    left = [0.0] * len(names)
-    for phase, color in zip(PHASES, ("#4c72b0", "#dd8452", "#55a868")):
-        widths = [results[n]["ms_per_step"][phase] for n in names]
-        ax.barh(names, widths, left=left, color=color, label=phase)
-        left = [l + w for l, w in zip(left, widths)]
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per 1000 steps")
-    ax.set_title("encoder layer 128/512/16, batch 50 x 80, dropout 0.1")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    """Time the variants; print the table, write ``encoder-layer.json`` and ``encoder-layer.png``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def measure(quick: bool = False) -> Result:
+    """Time the variants, forward, backward and step apart, in interleaved rounds."""
     notes: list[str] = []
     variants = _build(quick, notes)
     x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1))  # (B, T, C)
     warmup, steps, rounds = (1, 2, 1) if quick else (5, 60, 4)
-
     for v in variants:
         # The first step includes compilation for c; it is reported, not timed with the rest.
         _, v.first_step_s = timed_first_call(lambda v=v: v.step(x, record=False))
         for _ in range(warmup):
             v.step(x, record=False)
-    for _ in range(rounds):
-        for v in variants:
-            for _ in range(max(1, round(v.share * steps / rounds))):
-                v.step(x, record=True)
+    # each variant records its phases itself; the harness gives the turns
+    interleaved({v.name: functools.partial(v.step, x) for v in variants}, rounds,
+                {v.name: max(1, round(v.share * steps / rounds)) for v in variants})
 
     results = {v.name: v.summary() for v in variants}
     base = results["a"]["ms_per_step"]
     for r in results.values():
         r["speedup_vs_a"] = {k: base[k] / r["ms_per_step"][k] for k in (*PHASES, "total")}
-    machine = machine_info()
     targets = {}
     if "b" in results:
-        targets["b_step_3x"] = {"speedup": results["b"]["speedup_vs_a"]["step"], "target": 3.0}
+        targets["b_step_3x"] = target(results["b"]["speedup_vs_a"]["step"], 3.0, higher=True)
     # on any CPU: kiln's fastest variant per whole iteration (bf16 helps only where it is native)
     best = max((n for n in results if n not in ("a", "b")), key=lambda n: results[n]["speedup_vs_a"]["total"])
-    targets["best_total_1.5x"] = {"variant": best, "speedup": results[best]["speedup_vs_a"]["total"], "target": 1.5}
-    if machine["native_bf16"]:  # the claim made where bf16 is native
-        targets["c_total_2x"] = {"speedup": results["c"]["speedup_vs_a"]["total"], "target": 2.0}
-    for t in targets.values():
-        t["met"] = t["speedup"] >= t["target"]
+    speedup = results[best]["speedup_vs_a"]["total"]
+    targets["best_total_1.5x"] = target(speedup, 1.5, higher=True, variant=best, speedup=speedup)
+    if machine_info()["native_bf16"]:  # the claim made where bf16 is native
+        targets["c_total_2x"] = target(results["c"]["speedup_vs_a"]["total"], 2.0, higher=True)
+    rows = [{"name": n, **r} for n, r in results.items()]
+    cols = [Col("", "name"), Col("variant", "label"),
+            *(Col(f"{k} ms", lambda r, k=k: r["ms_per_step"][k], ".1f") for k in (*PHASES, "total")),
+            *(Col(f"{k} x a", lambda r, k=k: r["speedup_vs_a"][k], ".2f") for k in (*PHASES, "total"))]
+    notes.append(f"best variant: {best}, {speedup:.2f}x a per iteration; ms per step = seconds per 1000 steps")
+    report = {"setup": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "dropout": DROPOUT, "batch": BATCH, "seq": SEQ,
+                        "lr": LR, "steps": steps, "warmup": warmup, "quick": quick, "compiled": not quick,
+                        "threads": torch.get_num_threads(), "torch": torch.__version__},
+              "unit": "ms per step (= seconds per 1000 steps), median", "results": results}
+    chart = [Bars(f"encoder layer {HIDDEN}/{FFN}/{HEADS}, batch {BATCH} x {SEQ}, dropout {DROPOUT}", rows, "name",
+                  {phase: lambda r, p=phase: r["ms_per_step"][p] for phase in PHASES}, "seconds per 1000 steps",
+                  stacked=True, horizontal=True)]
+    return Result(report, [Table(rows, cols)], "one pre-LN encoder layer, torch against kiln", chart, targets, notes)
 
-    _print_table(results, machine)
-    print(f"best variant: {best}, {targets['best_total_1.5x']['speedup']:.2f}x a per iteration (target 1.5x)")
-    for note in notes:
-        print("note:", note)
-    report = {
-        "benchmark": "encoder-layer",
-        "machine": machine,
-        "setup": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "dropout": DROPOUT, "batch": BATCH, "seq": SEQ,
-                  "lr": LR, "steps": steps, "warmup": warmup, "quick": quick, "compiled": not quick,
-                  "threads": torch.get_num_threads(), "torch": torch.__version__},
-        "unit": "ms per step (= seconds per 1000 steps), median",
-        "results": results,
-        "targets": targets,
-        "notes": notes,
-    }
-    (out_dir / "encoder-layer.json").write_text(json.dumps(report, indent=2))
-    _plot(results, out_dir / "encoder-layer.png")
-    return report
+
+run = benchmark("encoder-layer", measure)

@@ -20,9 +20,6 @@ threads. Ratios are against the Trainer row.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kiln.hardware import machine_info, machine_line
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "hf_gpt2_tiny.py"
@@ -93,63 +90,40 @@ def _kiln_samples_per_s(steps: int, warmup: int, overrides: list[str]) -> float:
         result = train(cfg, name="bench")
         rows = read_metrics(result.run_dir)
     # every log window after the first (which holds the warm-up and, with compile, compiling)
-    return statistics.median(float(r["samples_per_second"]) for r in rows[1:])
+    return median(float(r["samples_per_second"]) for r in rows[1:])
 
 
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    try:
-        import transformers
-    except ImportError:
-        raise SystemExit("kiln bench hf needs Hugging Face transformers: pip install 'kiln[hf]'") from None
-    out_dir = Path(out_dir)
+def measure(quick: bool = False) -> Result:
+    """The Trainer, then kiln's rows, on the same model, data, batch and steps. (What it needs,
+    transformers and accelerate, is checked before it starts: ``kiln.bench.check_benchmark``.)"""
+    import transformers
+
     steps, warmup = (12, 4) if quick else (120, 20)
     # explicit modes: the default, train.precision=auto, would make "kiln fp32" bf16 where bf16 is native
     kiln_rows = {"kiln fp32": ["train.precision=fp32"], "kiln compile": ["train.precision=fp32", "train.compile=true"],
                  "kiln bf16-mixed": ["train.precision=bf16-mixed"]}
     if quick:
         kiln_rows.pop("kiln compile")
-    cpu = torch.backends.cpu.get_cpu_capability()
-    results: dict[str, Any] = {
-        "machine": machine_info(),
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "threads": torch.get_num_threads(), "cpu_capability": cpu, "load_average_at_start": list(os.getloadavg()),
-        "model": "GPT2LMHeadModel (configs/hf_gpt2_tiny.py)", "batch": BATCH, "steps": steps, "warmup": warmup,
-        "samples_per_s": {},
-    }
-    rates = results["samples_per_s"]
-    rates["trainer"] = _trainer_samples_per_s(steps, warmup)
+    rates = {"trainer": _trainer_samples_per_s(steps, warmup)}
     for name, overrides in kiln_rows.items():
         rates[name] = _kiln_samples_per_s(steps, warmup, overrides)
-    results["vs_trainer"] = {k: v / rates["trainer"] for k, v in rates.items()}
+    vs_trainer = {k: v / rates["trainer"] for k, v in rates.items()}
     best = max((k for k in rates if k.startswith("kiln")), key=rates.get)
-    results["kiln_best"] = best
-    _print_table(results)
-    (out_dir / "hf.json").write_text(json.dumps(results, indent=2))
-    _plot(results, out_dir / "hf.png")
-    return results
+    cpu = torch.backends.cpu.get_cpu_capability()
+    report = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+              "threads": torch.get_num_threads(), "cpu_capability": cpu,
+              "model": "GPT2LMHeadModel (configs/hf_gpt2_tiny.py)", "batch": BATCH, "steps": steps, "warmup": warmup,
+              "samples_per_s": rates, "vs_trainer": vs_trainer, "kiln_best": best}
+    rows = [{"run": k, "samples_per_s": v, "vs_trainer": vs_trainer[k], "best": "<- kiln's best" if k == best else ""}
+            for k, v in rates.items()]
+    cols = [Col("run", "run"), Col("samples/s", "samples_per_s", ".1f"), Col("x Trainer", "vs_trainer", ".2f"),
+            Col("", "best")]
+    chart = [Bars(f"HF GPT-2 (tiny), batch {BATCH}, CPU {cpu}", rows, "run", {"x Trainer": "vs_trainer"},
+                  "training samples/s, x transformers Trainer", lines={"Trainer": 1.0},
+                  color=lambda r: "gray" if r["run"] == "trainer" else "tab:orange")]
+    title = (f"{report['model']}, batch {BATCH}, {steps} steps ({warmup} warm-up left out); transformers "
+             f"{transformers.__version__}")
+    return Result(report, [Table(rows, cols)], title, chart)
 
 
-def _print_table(results: dict[str, Any]) -> None:
-    print(f"kiln bench hf on {machine_line(results['machine'])}")
-    print(f"{results['model']}, batch {results['batch']}, {results['steps']} steps "
-          f"({results['warmup']} warm-up left out); torch {results['torch_version']}, transformers "
-          f"{results['transformers_version']}, {results['threads']} threads, CPU {results['cpu_capability']}")
-    print(f"  {'run':<18}{'samples/s':>12}{'x Trainer':>12}")
-    for name, rate in results["samples_per_s"].items():
-        mark = "  <- kiln's best" if name == results["kiln_best"] else ""
-        print(f"  {name:<18}{rate:>12.1f}{results['vs_trainer'][name]:>12.2f}{mark}")
-
-
-def _plot(results: dict[str, Any], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-    names = list(results["samples_per_s"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(names, [results["vs_trainer"][n] for n in names], color=["gray"] + ["tab:orange"] * (len(names) - 1))
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel("training samples/s, x transformers Trainer")
-    ax.set_title(f"HF GPT-2 (tiny), batch {results['batch']}, CPU {results['cpu_capability']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+run = benchmark("hf", measure)

@@ -23,15 +23,12 @@ MLP d -> 4d -> d: 16 tensors, 12 d^2 + 13 d parameters.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import statistics
-import time
 import warnings
 from typing import Any, Callable
 
 import torch
+
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, target, time_ms
 
 LAYOUTS = {"small": (12, 128), "large": (24, 512)}
 QUICK_LAYOUTS = {"small": (2, 32), "large": (2, 64)}
@@ -57,22 +54,11 @@ def _make_params(layers: int, width: int, seed: int = 0) -> list[torch.nn.Parame
     return params
 
 
-def _time(step: Callable[[], None], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3 if times else 0.0
-
-
 def _copy_bandwidth(quick: bool) -> float:
     """GB/s of y.copy_(x) (bytes read + bytes written) on tensors far larger than the caches."""
     n = 2**22 if quick else 2**26  # 16 MiB / 256 MiB of fp32
     x, y = torch.randn(n), torch.empty(n)
-    ms = _time(lambda: y.copy_(x), 2, 5 if quick else 10)
+    ms = time_ms(lambda: y.copy_(x), 2, 5 if quick else 10)
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
@@ -147,155 +133,88 @@ def _time_layout(name: str, layers: int, width: int, methods: dict[str, Callable
     n_params = sum(torch.Size(s).numel() for s in _layer_shapes(width)) * layers
     ms: dict[str, float] = {}
     ms_hot: dict[str, float] = {}
-    if not big:
-        # small: all optimizers alive at once, timed in interleaved rounds (cold caches), then
-        # each on its own (hot)
-        steps = {}
-        for method, build in methods.items():
-            steps[method] = build(_make_params(layers, width))
-        with torch.no_grad():
+    with torch.no_grad():
+        if not big:
+            # small: all optimizers alive at once, timed in interleaved rounds, one step each per
+            # round (cold caches), then in bursts (hot; the first step of a burst pays for the
+            # others' evictions and is not timed)
+            steps = {method: build(_make_params(layers, width)) for method, build in methods.items()}
             for method, step in steps.items():
-                _time(step, warmup + (3 if method in _COMPILED else 0), 0)  # first calls compile
-            times: dict[str, list[float]] = {m: [] for m in steps}
-            for _ in range(repeats):
-                for method, step in steps.items():
-                    t0 = time.perf_counter()
-                    step()
-                    times[method].append(time.perf_counter() - t0)
-            ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
-            # hot: a few rounds of a burst per method, so that drifting load spreads over all
-            hot: dict[str, list[float]] = {m: [] for m in steps}
-            burst = max(1, repeats // 8)
-            for _ in range(8 if repeats >= 8 else 1):
-                for method, step in steps.items():
-                    step()  # the first step of a burst pays for the others' evictions
-                    for _ in range(burst):
-                        t0 = time.perf_counter()
-                        step()
-                        hot[method].append(time.perf_counter() - t0)
-            ms_hot = {m: statistics.median(t) * 1e3 for m, t in hot.items()}
-        del steps
-    else:  # large: 1.2 GB per optimizer, one at a time
-        for method, build in methods.items():
-            if method in _SMALL_ONLY:
-                continue
-            params = _make_params(layers, width)
-            step = build(params)
-            with torch.no_grad():
-                ms[method] = _time(step, warmup + (1 if method in _COMPILED else 0), repeats)
-            del params, step
-    floor = 7 * 4 * n_params / (bandwidth * 1e9) * 1e3
+                time_ms(step, warmup + (3 if method in _COMPILED else 0), 0)  # first calls compile
+            ms = {m: 1e3 * median(t) for m, t in interleaved(steps, repeats).items()}
+            hot = interleaved(steps, 8 if repeats >= 8 else 1, max(1, repeats // 8), untimed=1)
+            ms_hot = {m: 1e3 * median(t) for m, t in hot.items()}
+            del steps
+        else:  # large: 1.2 GB per optimizer, one at a time
+            for method, build in methods.items():
+                if method not in _SMALL_ONLY:
+                    ms[method] = time_ms(build(_make_params(layers, width)), warmup + (method in _COMPILED), repeats)
     return {
         "layers": layers, "width": width, "tensors": 16 * layers, "parameters": n_params, "ms": ms,
         **({"ms_hot": ms_hot} if ms_hot else {}),
         "vs_torch_forloop": {k: ms["torch_forloop"] / v for k, v in ms.items()},
         "vs_torch_fused": {k: ms["torch_fused"] / v for k, v in ms.items()},
-        "adamw_bandwidth_floor_ms": floor,
+        "adamw_bandwidth_floor_ms": 7 * 4 * n_params / (bandwidth * 1e9) * 1e3,
     }
 
 
-def run(out_dir: pathlib.Path, quick: bool = False) -> dict[str, Any]:
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("KILN_BENCH_THREADS"):  # e.g. 1 on a machine shared with other jobs
-        torch.set_num_threads(int(os.environ["KILN_BENCH_THREADS"]))
+def measure(quick: bool = False) -> Result:
     notes: list[str] = []
-    layouts = QUICK_LAYOUTS if quick else LAYOUTS
     bandwidth = _copy_bandwidth(quick)
     methods = _methods(notes)
-    from kiln.hardware import machine_info
-
-    results: dict[str, Any] = {
-        "machine": machine_info(),
-        "torch_version": torch.__version__, "threads": torch.get_num_threads(),
-        "load_average_at_start": list(os.getloadavg()), "copy_bandwidth_gbps": bandwidth,
-        "notes": notes,
-    }
     with warnings.catch_warnings():
         # every method steps again and again on gradients set once, as benchmarks of torch.optim
         # do; kiln's optimizers warn (once each) that no new gradient arrived between steps
         warnings.filterwarnings("ignore", message=r"kiln.optim: step\(\) found no new gradient")
-        results["layouts"] = {name: _time_layout(name, layers, width, methods, bandwidth, quick)
-                              for name, (layers, width) in layouts.items()}
-    results["targets"] = _targets(results)
-    _print_table(results)
-    (out_dir / "optimizer.json").write_text(json.dumps(results, indent=2))
-    _plot(results, out_dir / "optimizer.png")
-    return results
+        layouts = {name: _time_layout(name, layers, width, methods, bandwidth, quick)
+                   for name, (layers, width) in (QUICK_LAYOUTS if quick else LAYOUTS).items()}
+    tables, chart = [], []
+    for name, r in layouts.items():
+        rows = [{"method": m, "ms": v, "hot": r.get("ms_hot", {}).get(m), "loop": r["vs_torch_forloop"][m],
+                 "fused": r["vs_torch_fused"][m]} for m, v in r["ms"].items()]
+        cols = [Col("method", "method"), Col("ms (cold)" if "ms_hot" in r else "ms", "ms", ".3f"),
+                *([Col("ms (hot)", "hot", ".3f")] if "ms_hot" in r else []),
+                Col("x vs for-loop", "loop", ".2f"), Col("x vs fused", "fused", ".2f")]
+        tables.append(Table(rows, cols, f"{name}: {r['layers']} layers x width {r['width']} = {r['tensors']} "
+                                        f"tensors, {r['parameters'] / 1e6:.2f} M parameters; AdamW bandwidth floor "
+                                        f"{r['adamw_bandwidth_floor_ms']:.2f} ms"))
+        chart.append(Bars(f"{name}: {r['tensors']} tensors, {r['parameters'] / 1e6:.1f} M params", rows, "method",
+                          {"ms": "ms"}, "ms per step (log)", horizontal=True, log=True,
+                          lines={"AdamW bandwidth floor": r["adamw_bandwidth_floor_ms"]},
+                          color=lambda row: "tab:orange" if row["method"].startswith("kiln") else "tab:blue"))
+    return Result({"torch_version": torch.__version__, "threads": torch.get_num_threads(),
+                   "copy_bandwidth_gbps": bandwidth, "layouts": layouts},
+                  tables, f"optimizer step, ms (median); copy bandwidth {bandwidth:.1f} GB/s", chart,
+                  targets=_targets(layouts), notes=notes)
 
 
-def _targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    small, large = results["layouts"]["small"]["ms"], results["layouts"]["large"]["ms"]
-    floor = results["layouts"]["large"]["adamw_bandwidth_floor_ms"]
-    t: dict[str, dict[str, Any]] = {
-        "small: kiln AdamW <= 0.5x torch fused": {"value": small["kiln_adamw"] / small["torch_fused"], "limit": 0.5},
-        "large: kiln AdamW <= 1.05x torch fused": {"value": large["kiln_adamw"] / large["torch_fused"],
-                                                   "limit": 1.05},
-        "small: kiln AdamW >= 10x faster than for-loop": {
-            "value": small["torch_forloop"] / small["kiln_adamw"], "limit": 10.0, "higher_is_better": True},
-        "large: kiln AdamW <= 1.2x bandwidth floor": {"value": large["kiln_adamw"] / floor, "limit": 1.2},
+def _targets(layouts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    small, large = layouts["small"]["ms"], layouts["large"]["ms"]
+    floor = layouts["large"]["adamw_bandwidth_floor_ms"]
+    t = {
+        "small: kiln AdamW <= 0.5x torch fused": target(small["kiln_adamw"] / small["torch_fused"], 0.5),
+        "large: kiln AdamW <= 1.05x torch fused": target(large["kiln_adamw"] / large["torch_fused"], 1.05),
+        "small: kiln AdamW >= 10x faster than for-loop": target(small["torch_forloop"] / small["kiln_adamw"], 10.0,
+                                                                higher=True),
+        "large: kiln AdamW <= 1.2x bandwidth floor": target(large["kiln_adamw"] / floor, 1.2),
     }
     for name, lay in (("small", small), ("large", large)):
-        t[f"{name}: kiln AdamW contiguous=False <= 1.2x torch fused"] = {
-            "value": lay["kiln_adamw_foreach"] / lay["torch_fused"], "limit": 1.2}
+        t[f"{name}: kiln AdamW contiguous=False <= 1.2x torch fused"] = target(
+            lay["kiln_adamw_foreach"] / lay["torch_fused"], 1.2)
     # issue 16: the arena's checks cost O(1), and LAMB / LARS cost little more than AdamW
     timings = [("small, cold", small), ("large", large)]
-    if "ms_hot" in results["layouts"]["small"]:
-        timings.insert(1, ("small, hot", results["layouts"]["small"]["ms_hot"]))
+    if "ms_hot" in layouts["small"]:
+        timings.insert(1, ("small, hot", layouts["small"]["ms_hot"]))
     for name, lay in timings:
-        t[f"{name}: kiln AdamW <= 1.1x torch's fused kernel on one flat tensor"] = {
-            "value": lay["kiln_adamw"] / lay["torch_fused_one_flat_tensor"], "limit": 1.1}
+        t[f"{name}: kiln AdamW <= 1.1x torch's fused kernel on one flat tensor"] = target(
+            lay["kiln_adamw"] / lay["torch_fused_one_flat_tensor"], 1.1)
         for opt in ("lamb", "lars"):
             if f"kiln_{opt}" in lay:
-                t[f"{name}: kiln {opt.upper()} <= 1.6x kiln AdamW"] = {
-                    "value": lay[f"kiln_{opt}"] / lay["kiln_adamw"], "limit": 1.6}
+                t[f"{name}: kiln {opt.upper()} <= 1.6x kiln AdamW"] = target(lay[f"kiln_{opt}"] / lay["kiln_adamw"], 1.6)
     if "torch_optimizer_lamb" in small:
-        t["small: kiln LAMB >= 10x faster than torch-optimizer Lamb"] = {
-            "value": small["torch_optimizer_lamb"] / small["kiln_lamb"], "limit": 10.0, "higher_is_better": True}
-    for v in t.values():
-        v["met"] = v["value"] >= v["limit"] if v.get("higher_is_better") else v["value"] <= v["limit"]
+        t["small: kiln LAMB >= 10x faster than torch-optimizer Lamb"] = target(
+            small["torch_optimizer_lamb"] / small["kiln_lamb"], 10.0, higher=True)
     return t
 
 
-def _print_table(results: dict[str, Any]) -> None:
-    from kiln.hardware import machine_line
-
-    print(f"\noptimizer step, ms (median); {machine_line(results['machine'])}; "
-          f"copy bandwidth {results['copy_bandwidth_gbps']:.1f} GB/s")
-    for name, r in results["layouts"].items():
-        print(f"\n{name}: {r['layers']} layers x width {r['width']} = {r['tensors']} tensors, "
-              f"{r['parameters'] / 1e6:.2f} M parameters; AdamW bandwidth floor {r['adamw_bandwidth_floor_ms']:.2f} ms")
-        hot = r.get("ms_hot", {})
-        cols = f"{'ms (cold)':>10s} {'ms (hot)':>9s}" if hot else f"{'ms':>10s}"
-        print(f"  {'method':32s} {cols} {'x vs for-loop':>14s} {'x vs fused':>11s}")
-        for k, v in r["ms"].items():
-            h = f" {hot[k]:9.3f}" if hot else ""
-            print(f"  {k:32s} {v:10.3f}{h} {r['vs_torch_forloop'][k]:14.2f} {r['vs_torch_fused'][k]:11.2f}")
-    print("\ntargets:")
-    for k, v in results["targets"].items():
-        print(f"  [{'met' if v['met'] else 'MISSED'}] {k}: {v['value']:.2f} (limit {v['limit']})")
-    for n in results["notes"]:
-        print("note:", n)
-
-
-def _plot(results: dict[str, Any], path: pathlib.Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-
-    layouts = list(results["layouts"])
-    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5))
-    for ax, name in zip(axes if len(layouts) > 1 else [axes], layouts):
-        r = results["layouts"][name]
-        names, vals = list(r["ms"]), list(r["ms"].values())
-        colors = ["tab:orange" if n.startswith("kiln") else "tab:blue" for n in names]
-        ax.barh(names, vals, color=colors)
-        ax.axvline(r["adamw_bandwidth_floor_ms"], color="k", ls="--", lw=1, label="AdamW bandwidth floor")
-        ax.set_xscale("log")
-        ax.set_xlabel("ms per step (log)")
-        ax.set_title(f"{name}: {r['tensors']} tensors, {r['parameters'] / 1e6:.1f} M params")
-        ax.invert_yaxis()
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+run = benchmark("optimizer", measure)

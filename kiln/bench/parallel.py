@@ -70,18 +70,15 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark
 from kiln.bench._profile import comm_seconds, quiet_stderr
-from kiln.bench._rss import Rss
-from kiln.hardware import machine_info, machine_line
+from kiln.bench._rss import Rss, held_bytes
 
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
 
@@ -100,26 +97,11 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # (B*T, V), (B*T,)
 
 
-# -- what a rank holds ----------------------------------------------------------------------------
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _held(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct, allocated storages behind tensors (DTensors: their local shard)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = _local(t).untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def _state_bytes(params: list[torch.Tensor], opt: Any) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, in bytes (kiln optimizer in
     arena or multi-tensor mode: arena buffers counted once, padding included)."""
     grads = [p.grad for p in params if p.grad is not None] + [a.grad for a in opt.arenas]
-    return {"param_bytes": _held(params), "grad_bytes": _held(grads), "optim_bytes": opt.state_bytes()}
+    return {"param_bytes": held_bytes(params), "grad_bytes": held_bytes(grads), "optim_bytes": opt.state_bytes()}
 
 
 # -- one model on one rank --------------------------------------------------------------------------
@@ -242,7 +224,7 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
 
     return {
         "rank": rank, "coords": where, "n_params": n_params,
-        "n_params_local": sum(_local(p).numel() for p in params),
+        "n_params_local": sum(getattr(p, "_local_tensor", p).numel() for p in params),
         **state, "state_bytes": sum(state.values()),
         "wall_s": wall,
         "peak_rss_bytes": max(peak_setup, peak_steps) - rss_start,
@@ -331,64 +313,6 @@ def _measure(models: tuple[str, ...], layouts: list[tuple[int, int, int]], setti
     return rows
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':>5} {'dp x tp x pp':>12} | {'samples/s':>9} | {'state MB':>8} {'vs 1x1x1':>8} "
-            f"{'peak MB':>8} {'work MB':>8} | {'comm ms':>8} {'comm %':>6} | "
-            f"{'bubble':>6} {'(p-1)/m':>7} {'(p-1)/(m+p-1)':>13}")
-    lines = [head, "-" * len(head)]
-    mb = 2.0 ** 20
-    for r in rows:
-        lines.append(
-            f"{r['model']:>5} {r['layout']:>12} | {r['samples_per_s']:>9.1f} | {r['state_bytes'] / mb:>8.1f} "
-            f"{_fmt(r['state_vs_1x1x1'], '.3f'):>8} {r['peak_rss_bytes'] / mb:>8.0f} {r['work_rss_bytes'] / mb:>8.0f} | "
-            f"{r['comm_ms_per_step']:>8.1f} {100 * r['comm_share']:>6.1f} | {_fmt(r['bubble'], '.3f'):>6} "
-            f"{_fmt(r['bubble_gpipe'], '.3f'):>7} {_fmt(r['bubble_fill_drain'], '.3f'):>13}")
-    return "\n".join(lines)
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    layouts = list(dict.fromkeys(r["layout"] for r in rows))
-    get = {(r["model"], r["layout"]): r for r in rows}
-    width = 0.8 / len(models)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = [("samples_per_s", 1.0, "samples/s (same global batch)"),
-              ("state_bytes", 2.0 ** -20, "model state per rank, MB (largest rank)")]
-    for ax, (key, scale, title) in zip(axes, panels):
-        for i, name in enumerate(models):
-            xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(layouts))]
-            ax.bar(xs, [get[name, lay][key] * scale if (name, lay) in get else 0 for lay in layouts], width, label=name)
-        ax.set_xticks(range(len(layouts)), layouts)
-        ax.set_xlabel("dp x tp x pp")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    ax = axes[2]
-    piped = [lay for lay in layouts if any(get.get((n, lay), {}).get("bubble") is not None for n in models)]
-    for i, name in enumerate(models):
-        xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(piped))]
-        ax.bar(xs, [get[name, lay]["bubble"] for lay in piped], width, label=f"{name} measured")
-    if piped:
-        theory = [get[models[0], lay] for lay in piped]
-        ax.scatter(range(len(piped)), [r["bubble_fill_drain"] for r in theory], color="k", marker="_", s=500,
-                   zorder=3, label="(p-1)/(m+p-1)")
-        ax.scatter(range(len(piped)), [r["bubble_gpipe"] for r in theory], color="r", marker="_", s=500,
-                   zorder=3, label="(p-1)/m")
-    ax.set_xticks(range(len(piped)), piped)
-    ax.set_xlabel("dp x tp x pp")
-    ax.set_title("pipeline bubble: idle share of a step")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def settings_for(quick: bool) -> dict[str, Any]:
     """Model, batch and step counts of a full or a ``--quick`` run."""
     if quick:
@@ -416,32 +340,43 @@ def check_family(family: str | None) -> tuple[str, ...]:
     return names
 
 
-def run(out_dir: Path, quick: bool = False, *, family: str | None = None, models: tuple[str, ...] | None = None,
-        layouts: list[tuple[int, int, int]] | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Measure every layout for every model; print the table and write ``parallel.json``,
-    ``parallel.txt`` and ``parallel.png`` to ``out_dir``. ``family``: ``--family``, e.g.
-    ``"llama"`` or ``"gpt,llama"`` (default: GPT and BERT). ``models``, ``layouts`` and
-    ``settings`` (see :func:`settings_for`) narrow the run (tests)."""
+def measure(quick: bool = False, *, family: str | None = None, models: tuple[str, ...] | None = None,
+            layouts: list[tuple[int, int, int]] | None = None, settings: dict[str, Any] | None = None) -> Result:
+    """Every layout for every model. ``family``: ``--family``, e.g. ``"llama"`` or ``"gpt,llama"``
+    (default: GPT and BERT). ``models``, ``layouts`` and ``settings`` (see :func:`settings_for`)
+    narrow the run (tests)."""
     models = models or check_family(family)
     settings = settings or settings_for(quick)
     layouts = [tuple(lay) for lay in (layouts or LAYOUTS)]
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
     rows = _measure(tuple(models), layouts, settings)
-    machine = {**machine_info(), "threads": 1,  # per process
-               "cpus": len(os.sched_getaffinity(0)), "load_1min_before": load_before,
-               "load_1min_after": os.getloadavg()[0], "seconds": time.perf_counter() - t0}
+    mb = 2.0**-20
+    cols = [Col("model", "model"), Col("dp x tp x pp", "layout"), Col("samples/s", "samples_per_s", ".1f"),
+            Col("state MB", lambda r: r["state_bytes"] * mb, ".1f"), Col("vs 1x1x1", "state_vs_1x1x1", ".3f"),
+            Col("peak MB", lambda r: r["peak_rss_bytes"] * mb, ".0f"),
+            Col("work MB", lambda r: r["work_rss_bytes"] * mb, ".0f"), Col("comm ms", "comm_ms_per_step", ".1f"),
+            Col("comm %", "comm_share", ".1%"), Col("bubble", "bubble", ".3f"), Col("(p-1)/m", "bubble_gpipe", ".3f"),
+            Col("(p-1)/(m+p-1)", "bubble_fill_drain", ".3f")]
+    # one group of bars a layout, one bar a model
+    by = {(r["layout"], r["model"]): r for r in rows}
+    names = list(dict.fromkeys(r["layout"] for r in rows))
+
+    def panel(title: str, value: Any, piped: bool = False, **kw: Any) -> Bars:
+        lays = [lay for lay in names if not piped or by[lay, models[0]]["bubble"] is not None]
+        return Bars(title, [{"layout": lay, **{m: by[lay, m] for m in models}} for lay in lays], "layout",
+                    {m: lambda g, m=m: value(g[m]) for m in models}, **kw)
+
+    chart = [panel("samples/s (same global batch)", lambda r: r["samples_per_s"]),
+             panel("model state per rank, MB (largest rank)", lambda r: r["state_bytes"] * mb),
+             panel("pipeline bubble: idle share of a step", lambda r: r["bubble"], piped=True,
+                   marks={"(p-1)/(m+p-1)": lambda g: g[models[0]]["bubble_fill_drain"],
+                          "(p-1)/m": lambda g: g[models[0]]["bubble_gpipe"]})]
     report = {"setup": {**settings, "models": list(models), "layouts": [list(lay) for lay in layouts],
                         "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW fp32",
-                        "pp_schedule": "1f1b", "quick": quick},
-              "machine": machine, "rows": rows}
-    table = _table(rows)
-    print(f"kiln bench parallel on {machine_line(machine)} per process")
-    print(table)
-    print(f"m = {settings['microbatches']} micro-batches per dp rank's batch; global batch {settings['batch']} x "
-          f"seq {settings['model']['seq_len']}; {machine['cpus']} cpus, 1-min load {load_before:.1f} before, "
-          f"{machine['load_1min_after']:.1f} after (layouts with more ranks than free cores share them)")
-    (out_dir / "parallel.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "parallel.txt").write_text(table + "\n")
-    _plot(rows, out_dir / "parallel.png")
-    return report
+                        "pp_schedule": "1f1b", "quick": quick}, "rows": rows}
+    title = (f"dp x tp x pp layouts, m = {settings['microbatches']} micro-batches per dp rank's batch; global batch "
+             f"{settings['batch']} x seq {settings['model']['seq_len']}; 1 thread per process (layouts with more "
+             "ranks than free cores share them)")
+    return Result(report, [Table(rows, cols)], title, chart, threads=1, processes=max(d * t * p for d, t, p in layouts))
+
+
+run = benchmark("parallel", measure)

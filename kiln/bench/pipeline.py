@@ -13,7 +13,7 @@ row adds one to the row above:
 2. ``data.workers=auto``;  3. ``--nproc 2``;  4. ``train.precision=bf16-mixed``;
 5. ``parallel.zero=2``;  6. ``train.early_stopping``: stop after 3 evaluations without the
    validation loss improving by 0.02;
-7. ``train.eval_grad=false``: evaluation under inference mode (kiln's default).
+7. ``train.eval_grad=false``: evaluation under ``torch.no_grad`` (kiln's default).
 
 The task: scikit-learn's digits through the CPU-heavy per-sample augmentation of ``kiln bench
 dataloader`` (:class:`kiln.bench.dataloader.AugmentedDigits`: upsampling, random resized crop,
@@ -61,7 +61,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -72,7 +71,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PipelineCNN", "augmented_digits", "make_model", "ROWS", "row_commands", "run"]
+from kiln.bench._harness import Bars, Col, Curves, Result, Table, benchmark, children_cpu_s
+
+__all__ = ["PipelineCNN", "augmented_digits", "make_model", "ROWS", "row_commands", "run", "measure"]
 
 # image size through the augmentation; the step budget, evaluation interval and target
 FULL = dict(max_steps=400, eval_every=20, target=0.65, patience=3, min_delta=0.02, val_size=None)
@@ -192,11 +193,10 @@ def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float) -
                                                                   else []),
            *row["overrides"], f"train.output_dir={out}", f"train.run_name=row{row['row']}"]
     env = {k: v for k, v in os.environ.items() if k not in ("KILN_RUN_DIR", "OMP_NUM_THREADS")}
-    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    cpu_before, start = children_cpu_s(), time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     command_s = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command and every process it waited for
-    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu_s = children_cpu_s() - cpu_before  # the command and every process it waited for
     if done.returncode != 0:
         raise RuntimeError(f"row {row['row']} ({row['name']}) failed with exit code {done.returncode}:\n"
                            f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -227,91 +227,47 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _table(rows: list[dict[str, Any]], machine: str, spec: dict[str, Any]) -> str:
-    head = (f"{'#':>1} {'row':<17} {'proc':>4} {'workers':>7} | {'to target s':>11} {'steps':>5} {'speedup':>7} | "
-            f"{'run s':>6} {'steps':>5} {'speedup':>7} | {'command s':>9} {'CPU s':>6} | {'final acc':>9} "
-            f"{'peak MB/rank':>12}")
-    lines = [f"kiln bench pipeline: {machine}",
-             f"target: validation accuracy >= {spec['target']:.0%}; budget {spec['max_steps']} steps of {BATCH}, "
-             f"evaluation every {spec['eval_every']}", head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['row']:>1} {r['name']:<17} {r['config']['processes']:>4} {str(r['config']['workers']):>7} | "
-            f"{_fmt(r['time_to_target_s'], '11.1f')} {_fmt(r['steps_to_target'], '5d')} "
-            f"{_fmt(r['speedup_to_target'], '6.2f')}x | {r['run_s']:6.1f} {r['steps']:5d} {r['speedup_run']:6.2f}x "
-            f"| {r['command_s']:9.1f} {r['cpu_s']:6.0f} | "
-            f"{r['final_accuracy']:9.1%} {r['peak_memory_mb']:12.0f}")
-    return "\n".join(lines)
-
-
-def _plot(rows: list[dict[str, Any]], path: Path, spec: dict[str, Any]) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [f"{r['row']}. {r['name']}" for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["speedup_to_target"] or 0 for r in rows], 0.4, label="time to target")
-    ax.bar([x + 0.2 for x in xs], [r["speedup_run"] for r in rows], 0.4, label="whole run")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup over row 1 (higher is better)")
-    ax.legend(fontsize=8)
-    ax.set_title("cumulative speedup")
-    for r, name in zip(rows, names):
-        ax2.plot([e["wall_s"] for e in r["curve"]], [e["accuracy"] for e in r["curve"]], marker=".", label=name)
-    ax2.axhline(spec["target"], color="k", lw=0.8, ls="--")
-    ax2.set_xlabel("wall seconds (run's clock)")
-    ax2.set_ylabel("validation accuracy")
-    ax2.legend(fontsize=7)
-    ax2.set_title("accuracy against wall time")
-    fig.suptitle("kiln bench pipeline: six ways to a faster pipeline, stacked")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    """Run the seven rows; print the table, write ``pipeline.json``, ``pipeline.png`` and the
-    config every row starts from, ``pipeline.yaml``."""
+def measure(quick: bool = False, *, out: Path) -> Result:
+    """Run the seven rows, each a ``kiln train`` command whose run directory is under ``out/runs``;
+    the config every row starts from is ``out/pipeline.yaml``."""
     import yaml
 
-    from kiln.hardware import machine_info, machine_line
+    from kiln.hardware import machine_info
 
     spec = QUICK if quick else FULL
-    out_dir = Path(out_dir)
-    config = out_dir / "pipeline.yaml"
+    config = out / "pipeline.yaml"
     config.write_text(yaml.safe_dump(_config(spec), sort_keys=False))
-    load_before = os.getloadavg()
-    rows = [_run_row(config, row, out_dir / "runs", spec["target"]) for row in row_commands(spec)]
+    rows = [_run_row(config, row, out / "runs", spec["target"]) for row in row_commands(spec)]
     base = rows[0]
     for r in rows:
         r["speedup_to_target"] = (base["time_to_target_s"] / r["time_to_target_s"]
                                   if base["time_to_target_s"] and r["time_to_target_s"] else None)
         r["speedup_run"] = base["run_s"] / r["run_s"]
-    info = dict(machine_info(), threads=1)  # every row's processes run one intra-op thread (train.threads)
-    table = _table(rows, machine_line(info), spec)
-    notes = _notes(rows, info, load_before)
-    print(table)
-    for note in notes:
-        print(f"- {note}")
-    report = {
-        "setup": dict(spec, batch_size=BATCH, eval_batch_size=EVAL_BATCH, lr=LR, image=IMAGE, quick=quick,
-                      base_config=_config(spec), load_average_before=load_before,
-                      load_average_after=os.getloadavg()),
-        "machine": info, "rows": rows, "notes": notes,
-    }
-    (out_dir / "pipeline.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "pipeline.txt").write_text(table + "\n" + "".join(f"- {n}\n" for n in notes))
-    _plot(rows, out_dir / "pipeline.png", spec)
-    return report
+    cols = [Col("#", "row"), Col("row", "name"), Col("proc", lambda r: r["config"]["processes"]),
+            Col("workers", lambda r: str(r["config"]["workers"])), Col("to target s", "time_to_target_s", ".1f"),
+            Col("steps", "steps_to_target"), Col("speedup", "speedup_to_target", ".2f"), Col("run s", "run_s", ".1f"),
+            Col("steps", "steps"), Col("speedup", "speedup_run", ".2f"), Col("command s", "command_s", ".1f"),
+            Col("CPU s", "cpu_s", ".0f"), Col("final acc", "final_accuracy", ".1%"),
+            Col("peak MB/rank", "peak_memory_mb", ".0f")]
+    label = lambda r: f"{r['row']}. {r['name']}"  # noqa: E731
+    chart = [Bars("cumulative speedup over row 1", rows, label, {"time to target": "speedup_to_target",
+                  "whole run": "speedup_run"}, "speedup (higher is better)", lines={"row 1": 1.0}),
+             Curves("accuracy against wall time", rows, label, lambda r: ([e["wall_s"] for e in r["curve"]],
+                    [e["accuracy"] for e in r["curve"]]), "wall seconds (run's clock)", "validation accuracy",
+                    lines={"target": spec["target"]})]
+    report = {"setup": dict(spec, batch_size=BATCH, eval_batch_size=EVAL_BATCH, lr=LR, image=IMAGE, quick=quick,
+                            base_config=_config(spec)), "rows": rows}
+    title = (f"six ways to a faster pipeline, stacked; target: validation accuracy >= {spec['target']:.0%}; "
+             f"budget {spec['max_steps']} steps of {BATCH}, evaluation every {spec['eval_every']}")
+    # every row's processes run one intra-op thread (train.threads)
+    return Result(report, [Table(rows, cols)], title, chart, notes=_notes(rows, machine_info()), threads=1,
+                  processes=2)
 
 
-def _notes(rows: list[dict[str, Any]], info: dict[str, Any], load: tuple[float, ...]) -> list[str]:
+run = benchmark("pipeline", measure)
+
+
+def _notes(rows: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     """What the table says about each technique on this machine, from its own numbers."""
     notes = []
     for prev, r in zip(rows, rows[1:]):
@@ -349,7 +305,4 @@ def _notes(rows: list[dict[str, Any]], info: dict[str, Any], load: tuple[float, 
     notes.append("ZeRO-2 shards the gradients and optimizer state of a ~0.1 M-parameter model: nothing worth "
                  "saving, a reduce-scatter plus all-gather instead of one all-reduce (the article found no gain "
                  "from sharding either)")
-    if load[0] > cpus / 2:
-        notes.append(f"other work shared the machine (1-minute load average {load[0]:.1f} on {cpus} cores at the "
-                     "start): every time is longer and noisier than on idle cores")
     return notes

@@ -53,11 +53,12 @@ initial weights, same data order) with the config's onecycle schedule, and evalu
   points lower on one run).
 
 The other columns name the row's config: precision, pool, token layout, optimizer
-(``optim.impl``), ZeRO stage, compile, global batch. A 1-min load average above the bench's
-own 2 processes (by more than 0.5) is reported under the table: other work then shared the cores.
+(``optim.impl``), ZeRO stage, compile, global batch. A load average above the bench's own 2
+processes is noted under the table: other work then shared the cores.
 
-2 processes (``--nproc 2``: gloo on 127.0.0.1, each joining from the environment as torchrun's
-workers do) x 1 intra-op thread (``train.threads=1``). On a CPU without native bf16 (see the
+2 processes (``kiln.parallel.testing.run_distributed``: gloo on 127.0.0.1; each row's
+``kiln train`` run joins the group, as a worker of ``kiln train --nproc 2`` joins torchrun's)
+x 1 intra-op thread (``train.threads=1``). On a CPU without native bf16 (see the
 machine line above the table) bf16 is emulated through fp32 and the bf16 rows are slower, not
 faster: the table reports what this machine gets. ``--quick`` is a smoke run of the plumbing
 (a depth-1 model, 4 steps a row, torch.compile and kiln's optimizer kernels eager): its numbers
@@ -68,17 +69,15 @@ say nothing.
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median
 from kiln.bench._rss import Rss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,15 +139,13 @@ def _overrides(keys: dict[str, Any], quick: bool, output_dir: str) -> list[str]:
 
 
 # -- one rank ---------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, table: list[dict[str, Any]], ports: list[int], quick: bool,
-            out_dir: str) -> None:
-    """Rank ``rank``: every row in turn, each a whole ``kiln.train.train`` run that joins its
-    process group from the environment (a fresh port per row: a run ends by destroying its
-    group), as a worker started by ``kiln train --nproc`` does."""
+def _worker(rank: int, world: int, table: list[dict[str, Any]], quick: bool) -> list[dict[str, Any]]:
+    """Rank ``rank`` of ``kiln.parallel.testing.run_distributed``'s group: every row in turn, each
+    a whole ``kiln.train.train`` run in this process's group (a run leaves a group it did not
+    make up), as a worker started by ``kiln train --nproc`` runs one."""
     from kiln.config import load_config
     from kiln.train import read_metrics, train
 
-    torch.set_num_threads(1)
     if quick:
         # A smoke run of the table's plumbing: every row's config is built and trained, but
         # inductor's compiles (the model's, three times: a new batch size, then bf16; kiln's
@@ -157,8 +154,6 @@ def _worker(rank: int, world: int, table: list[dict[str, Any]], ports: list[int]
 
         dynamo_config.disable = True
         os.environ["KILN_OPTIM_EAGER"] = "1"
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1")
     rss = Rss()
     results = []
     with tempfile.TemporaryDirectory() as runs:
@@ -166,11 +161,9 @@ def _worker(rank: int, world: int, table: list[dict[str, Any]], ports: list[int]
         # through torch.optim, matplotlib, checkpointing) and gloo's set-up happen once per
         # process and would count in row 1's peak memory
         if not quick:  # (--quick: row 1's memory includes them)
-            os.environ["MASTER_PORT"] = str(ports[-1])
             train(load_config(CONFIG, [*_overrides(table[0]["keys"], quick, runs), "train.max_steps=2"]),
                   name="warmup")
-        for row, port in zip(table, ports):
-            os.environ["MASTER_PORT"] = str(port)
+        for row in table:
             cfg = load_config(CONFIG, _overrides(row["keys"], quick, runs))
             before = rss.restart()
             started = time.perf_counter()
@@ -185,7 +178,7 @@ def _worker(rank: int, world: int, table: list[dict[str, Any]], ports: list[int]
                            train_loss=float(s["final_train_loss"]), steps=int(s["steps"]),
                            compile_seconds=s.get("compile_seconds"), config=_plain(cfg))
             results.append(out)
-    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    return results
 
 
 def _plain(cfg: Any) -> dict[str, Any]:
@@ -198,80 +191,19 @@ def _plain(cfg: Any) -> dict[str, Any]:
             "train.threads": cfg.train.threads}
 
 
-def _measure(table: list[dict[str, Any]], quick: bool) -> list[list[dict[str, Any]]]:
-    import torch.multiprocessing as mp
+def measure(quick: bool = False) -> Result:
+    from kiln.parallel.testing import run_distributed
 
-    from kiln.parallel.testing import free_port
-
-    ports = [free_port() for _ in range(len(table) + 1)]  # one a row, one for the warm-up
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(NPROC, table, ports, quick, out_dir), nprocs=NPROC, join=True)
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=True) for r in range(NPROC)]
-
-
-# -- the report ---------------------------------------------------------------------------------
-def _table_text(report: dict[str, Any]) -> str:
-    head = (f"{'#':>2} {'row':<26} {'samples/s':>9} {'speedup':>7} {'x prev':>6} {'peak MB':>8} {'accuracy':>8} {'vs 1':>6}  "
-            f"{'precision':<10} {'pool':<4} {'layout':<6} {'optimizer':<13} {'zero':>4} {'compile':>7} {'batch':>5}")
-    lines = [f"kiln bench vit: {report['setup']['model']}, {report['setup']['samples']:,} training samples a row, "
-             f"{report['setup']['processes']} processes x {report['setup']['threads_per_process']} thread",
-             f"machine: {report['machine_line']}", head, "-" * len(head)]
-    for i, r in enumerate(report["rows"], 1):
-        k = r["config"]
-        lines.append(
-            f"{i:>2} {r['name']:<26} {r['samples_per_s']:>9.0f} {r['speedup']:>6.2f}x {r['vs_previous']:>6.2f} {r['peak_mb']:>8.1f} "
-            f"{100 * r['accuracy']:>7.2f}% {100 * r['accuracy_delta']:>+5.1f}  {k['train.precision']:<10} "
-            f"{k['model.pool']:<4} {'B,N,D' if k['model.batch_first'] else 'N,B,D':<6} {k['optim.impl']:<13} "
-            f"{k['parallel.zero']:>4} {'yes' if k['train.compile'] else 'no':>7} {k['data.batch_size']:>5}")
-    load = [report["machine"]["load_1min_before"], *(r["load_1min_after"] for r in report["rows"])]
-    # the bench's own NPROC processes make a load of about NPROC; more means other work
-    if max(load) > min(NPROC, report["machine"]["cpu_count"]) + 0.5:
-        lines.append(f"note: 1-min load average {min(load):.1f}-{max(load):.1f} during the rows on "
-                     f"{report['machine']['cpu_count']} cores: other work shared the cores, so the samples/s "
-                     "ratios are noisy; rerun on an idle machine")
-    return "\n".join(lines)
-
-
-def _plot(report: dict[str, Any], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-    rows_ = report["rows"]
-    fig, ax = plt.subplots(figsize=(10, 4.8))
-    xs = list(range(len(rows_)))
-    colors = ["gray"] + ["tab:orange" if r["speedup"] >= 1 else "tab:red" for r in rows_[1:]]
-    ax.bar(xs, [r["speedup"] for r in rows_], color=colors)
-    for x, r in zip(xs, rows_):
-        ax.text(x, r["speedup"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(xs, [f"{i}\n" + textwrap.fill(r["name"], 12, break_long_words=False) for i, r in enumerate(rows_, 1)], fontsize=7)
-    ax.set_ylabel("cumulative speedup over row 1 (samples/s)")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [100 * r["accuracy"] for r in rows_], "o-", color="tab:blue", label="validation accuracy")
-    ax2.set_ylabel("validation accuracy, %", color="tab:blue")
-    low = min(100 * r["accuracy"] for r in rows_)
-    ax2.set_ylim(max(0.0, low - 5), 100.5)
-    ax.set_title(f"faster ViT training, cumulative (digits ViT, 2 processes x 1 thread)\n{report['machine_line']}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
-    from kiln.hardware import machine_info, machine_line
-
-    out_dir = Path(out_dir)
     table = rows(quick)
-    load_before = os.getloadavg()[0]
-    per_rank = _measure(table, quick)
+    # a row's collectives wait for the other rank's compile (minutes on 2 busy cores)
+    per_rank = run_distributed(_worker, NPROC, table, quick, threads=1, timeout_s=1800)
     result_rows = []
     for i, row in enumerate(table):
         main = per_rank[0][i]
         windows = main["windows"][1:] or main["windows"]  # the first window holds the warm-up
         result_rows.append({
             "name": row["name"], "adds": row["adds"], "changed": row["changed"], "config": main["config"],
-            "samples_per_s": statistics.median(windows), "windows_samples_per_s": main["windows"],
+            "samples_per_s": median(windows), "windows_samples_per_s": main["windows"],
             "peak_mb": max(r[i]["peak_bytes"] for r in per_rank) / 2**20,
             "peak_mb_per_rank": [r[i]["peak_bytes"] / 2**20 for r in per_rank],
             "accuracy": main["accuracy"], "eval_loss": main["eval_loss"], "train_loss": main["train_loss"],
@@ -279,29 +211,37 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
             "run_wall_s": max(r[i]["wall_s"] for r in per_rank), "load_1min_after": main["load_1min_after"],
         })
     first = result_rows[0]
-    for prev, r in zip([first, *result_rows], result_rows):
+    for i, (prev, r) in enumerate(zip([first, *result_rows], result_rows), 1):
+        r["row"] = i
         r["speedup"] = r["samples_per_s"] / first["samples_per_s"]
         r["vs_previous"] = r["samples_per_s"] / prev["samples_per_s"]  # what this row's technique alone gave
         r["accuracy_delta"] = r["accuracy"] - first["accuracy"]
-    info = machine_info()
-    info["threads"] = 1  # per process (train.threads=1); the table's processes run side by side
-    report = {
-        "setup": {"model": "digits ViT (configs/digits_vit.py: dim 64, depth 4, 8x8 images, patch 2)" if not quick
-                  else "digits ViT, --quick: " + ", ".join(f"{k}={v}" for k, v in QUICK_KEYS.items()),
-                  "samples": (QUICK_STEPS if quick else STEPS) * BATCH, "processes": NPROC,
-                  "threads_per_process": 1, "backend": "gloo", "quick": quick,
-                  **({"quick_note": "smoke run: a depth-1 model, 4 steps a row, torch.compile disabled and kiln's "
-                                    "optimizer kernels eager; the numbers say nothing"} if quick else {}),
-                  "speed": "median samples/s over kiln train's log windows after the first",
-                  "article": {"batch_560": 1.51, "batch_384_image_256": 1.86, "full_fp16": 2.18}},
-        "machine": {**info, "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]},
-        "machine_line": machine_line(info),
-        "rows": result_rows,
-    }
-    text = _table_text(report)
-    print(text)
-    (out_dir / "vit.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "vit.txt").write_text(text + "\n")
-    _plot(report, out_dir / "vit.png")
-    return report
+    setup = {"model": "digits ViT (configs/digits_vit.py: dim 64, depth 4, 8x8 images, patch 2)" if not quick
+             else "digits ViT, --quick: " + ", ".join(f"{k}={v}" for k, v in QUICK_KEYS.items()),
+             "samples": (QUICK_STEPS if quick else STEPS) * BATCH, "processes": NPROC,
+             "threads_per_process": 1, "backend": "gloo", "quick": quick,
+             **({"quick_note": "smoke run: a depth-1 model, 4 steps a row, torch.compile disabled and kiln's "
+                               "optimizer kernels eager; the numbers say nothing"} if quick else {}),
+             "speed": "median samples/s over kiln train's log windows after the first",
+             "article": {"batch_560": 1.51, "batch_384_image_256": 1.86, "full_fp16": 2.18}}
+    key = lambda k: lambda r: r["config"][k]  # noqa: E731
+    cols = [Col("#", "row"), Col("row", "name"), Col("samples/s", "samples_per_s", ".0f"),
+            Col("speedup", "speedup", ".2f"), Col("x prev", "vs_previous", ".2f"), Col("peak MB", "peak_mb", ".1f"),
+            Col("accuracy", "accuracy", ".2%"), Col("vs 1", lambda r: 100 * r["accuracy_delta"], "+.1f"),
+            Col("precision", key("train.precision")), Col("pool", key("model.pool")),
+            Col("layout", lambda r: "B,N,D" if r["config"]["model.batch_first"] else "N,B,D"),
+            Col("optimizer", key("optim.impl")), Col("zero", key("parallel.zero")),
+            Col("compile", lambda r: "yes" if r["config"]["train.compile"] else "no"),
+            Col("batch", key("data.batch_size"))]
+    label = lambda r: f"{r['row']}. {r['name'].removeprefix('+ ')}"  # noqa: E731
+    chart = [Bars("cumulative speedup over row 1 (samples/s)", result_rows, label, {"speedup": "speedup"},
+                  "x row 1", lines={"row 1": 1.0}, color=lambda r: "gray" if r["row"] == 1 else
+                  "tab:orange" if r["speedup"] >= 1 else "tab:red"),
+             Bars("validation accuracy", result_rows, label, {"accuracy": "accuracy"}, "accuracy")]
+    title = (f"{setup['model']}, {setup['samples']:,} training samples a row, {NPROC} processes x 1 thread "
+             "(Meta's faster-ViT table, cumulative)")
+    return Result({"setup": setup, "rows": result_rows}, [Table(result_rows, cols)], title, chart, threads=1,
+                  processes=NPROC)
 
+
+run = benchmark("vit", measure)

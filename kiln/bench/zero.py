@@ -24,16 +24,14 @@ stage 0's. Measured bytes exceed the formulas only by the arena's alignment padd
 
 from __future__ import annotations
 
-import json
-import statistics
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from kiln.hardware import machine_info, machine_line
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, target
+from kiln.bench._rss import held_bytes
 
 WIDTH, DEPTH = 1024, 3            # 3 x (1024x1024 + 3 x 1024) = 3.16 M parameters
 QUICK_WIDTH, QUICK_DEPTH = 128, 2
@@ -49,14 +47,24 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _held(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct, allocated storages behind tensors (a DTensor's local shard)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = getattr(t, "_local_tensor", t).untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+def _train(model: nn.Module, step: Callable[[], None], rank: int, width: int, steps: int) -> float:
+    """Median ms of ``steps`` training steps (the first one left out) on this rank's random batches."""
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(steps):
+        x = torch.randn(8, width, generator=g)
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        step()
+        times.append(time.perf_counter() - t0)
+    return median(times[1:] or times) * 1e3
+
+
+def _row(stage: int, world: int, rank: int, model: nn.Module, grads: list, state: list, ms: float) -> dict[str, Any]:
+    params = list(model.parameters())
+    return {"dp": world, "stage": stage, "rank": rank, "n_params": sum(p.numel() for p in params),
+            "param_bytes": held_bytes(params), "grad_bytes": held_bytes(grads), "state_bytes": held_bytes(state),
+            "step_ms": ms}
 
 
 def _worker(rank: int, world: int, width: int, depth: int, steps: int) -> list[dict[str, Any]]:
@@ -69,25 +77,10 @@ def _worker(rank: int, world: int, width: int, depth: int, steps: int) -> list[d
         opt = ko.AdamW(model.parameters(), lr=1e-3, shard_multiple=world)
         broadcast_parameters(model)
         zero = ZeroOptimizer(opt, stage)
-        g = torch.Generator().manual_seed(rank)
-        times = []
-        for _ in range(steps):
-            x = torch.randn(8, width, generator=g)
-            t0 = time.perf_counter()
-            model(x).square().mean().backward()
-            zero.step()
-            zero.zero_grad()
-            times.append(time.perf_counter() - t0)
+        ms = _train(model, lambda: (zero.step(), zero.zero_grad()), rank, width, steps)
         grads = [a.grad for a in opt.arenas] + [s.grad for s in zero.shards]
         state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]  # views of flat buffers
-        n_params = sum(p.numel() for p in model.parameters())
-        rows.append({
-            "dp": world, "stage": stage, "rank": rank, "n_params": n_params,
-            "param_bytes": _held([p for p in model.parameters()]),
-            "grad_bytes": _held(grads),
-            "state_bytes": _held(state),
-            "step_ms": statistics.median(times[1:] or times) * 1e3,
-        })
+        rows.append(_row(stage, world, rank, model, grads, state, ms))
         del zero, opt, model
     rows.append(_fsdp_row(rank, world, width, depth, steps))
     return rows
@@ -105,62 +98,13 @@ def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int) -> dict
             fully_shard(m)
     fully_shard(model)
     opt = ko.AdamW(model.parameters(), lr=1e-3, contiguous=False)
-    g = torch.Generator().manual_seed(rank)
-    times = []
-    for _ in range(steps):
-        x = torch.randn(8, width, generator=g)
-        t0 = time.perf_counter()
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - t0)
-    params = list(model.parameters())
-    return {
-        "dp": world, "stage": 3, "rank": rank, "n_params": sum(p.numel() for p in params),
-        "param_bytes": _held(params),
-        "grad_bytes": _held([p.grad for p in params if p.grad is not None]),
-        "state_bytes": _held([t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]),
-        "step_ms": statistics.median(times[1:] or times) * 1e3,
-    }
+    ms = _train(model, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), rank, width, steps)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    return _row(3, world, rank, model, grads, state, ms)
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'dp':>3} {'stage':>5} | {'params MB':>9} {'grads MB':>9} {'state MB':>9} {'total MB':>9} | "
-            f"{'B/param':>7} {'paper B/param':>13} | {'(g+s)/stage0':>12} {'target':>7} | {'step ms':>7}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        mb = [r[k] / 2**20 for k in ("param_bytes", "grad_bytes", "state_bytes")]
-        lines.append(f"{r['dp']:>3} {r['stage']:>5} | {mb[0]:>9.2f} {mb[1]:>9.2f} {mb[2]:>9.2f} {sum(mb):>9.2f} | "
-                     f"{r['bytes_per_param']:>7.2f} {r['paper_bytes_per_param']:>13.2f} | "
-                     f"{r['gs_vs_stage0']:>12.3f} {'-' if r['target'] is None else format(r['target'], '.3f'):>7} | "
-                     f"{r['step_ms']:>7.1f}")
-    return "\n".join(lines)
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
-
-    labels = [f"dp={r['dp']}\nzero {r['stage']}" for r in rows]
-    parts = [("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("state_bytes", "optimizer state")]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bottom = [0.0] * len(rows)
-    for key, label in parts:
-        vals = [r[key] / r["n_params"] for r in rows]
-        ax.bar(labels, vals, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.scatter(labels, [r["paper_bytes_per_param"] for r in rows], color="k", marker="_", s=600,
-               zorder=3, label="ZeRO paper formula")
-    ax.set_ylabel("bytes per parameter, per rank")
-    ax.set_title(f"ZeRO: per-rank memory (AdamW fp32, {rows[0]['n_params'] / 1e6:.2f} M params)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
+def measure(quick: bool = False) -> Result:
     from kiln.parallel.testing import run_distributed
 
     width, depth = (QUICK_WIDTH, QUICK_DEPTH) if quick else (WIDTH, DEPTH)
@@ -172,9 +116,7 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
             mine = [r for ranks in per_rank for r in ranks if r["stage"] == stage]
             # the largest rank (all equal here: equal shards) is what must fit on a device
             row = max(mine, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["state_bytes"])
-            row = {k: v for k, v in row.items() if k != "rank"}
-            row["step_ms"] = statistics.median(r["step_ms"] for r in mine)
-            rows.append(row)
+            rows.append({**{k: v for k, v in row.items() if k != "rank"}, "step_ms": median(r["step_ms"] for r in mine)})
     for r in rows:
         p, g, s = FORMULA[r["stage"]](r["dp"])
         r["paper_bytes_per_param"] = p + g + s
@@ -183,19 +125,23 @@ def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
         r["bytes_per_param"] = (r["param_bytes"] + r["grad_bytes"] + r["state_bytes"]) / r["n_params"]
         r["gs_vs_stage0"] = (r["grad_bytes"] + r["state_bytes"]) / (base["grad_bytes"] + base["state_bytes"])
         r["target"] = 1 / r["dp"] + 0.05 if r["stage"] == 2 else None
-    stage2 = [r for r in rows if r["stage"] == 2]
-    machine = {**machine_info(), "threads": 1}  # each rank runs one thread (bytes do not depend on it)
-    report = {
-        "machine": machine,
-        "model": {"width": width, "depth": depth, "n_params": rows[0]["n_params"], "optimizer": "AdamW fp32"},
-        "rows": rows,
-        "target_met": all(r["gs_vs_stage0"] <= r["target"] for r in stage2),
-    }
-    table = _table(rows)
-    print(f"kiln bench zero on {machine_line(machine)} per rank")
-    print(table)
-    print(f"target (stage 2 grads+state <= 1/dp + 5% of stage 0's): {'met' if report['target_met'] else 'MISSED'}")
-    (out_dir / "zero.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "zero.txt").write_text(table + "\n")
-    _plot(rows, out_dir / "zero.png")
-    return report
+    targets = {f"dp={r['dp']} stage 2: grads + state <= 1/dp + 5% of stage 0's": target(r["gs_vs_stage0"], r["target"])
+               for r in rows if r["stage"] == 2}
+    mb = 2.0**-20
+    cols = [Col("dp", "dp"), Col("stage", "stage"), Col("params MB", lambda r: r["param_bytes"] * mb, ".2f"),
+            Col("grads MB", lambda r: r["grad_bytes"] * mb, ".2f"), Col("state MB", lambda r: r["state_bytes"] * mb, ".2f"),
+            Col("total MB", lambda r: (r["param_bytes"] + r["grad_bytes"] + r["state_bytes"]) * mb, ".2f"),
+            Col("B/param", "bytes_per_param", ".2f"), Col("paper B/param", "paper_bytes_per_param", ".2f"),
+            Col("(g+s)/stage0", "gs_vs_stage0", ".3f"), Col("target", "target", ".3f"), Col("step ms", "step_ms", ".1f")]
+    per_param = {name: lambda r, k=key: r[k] / r["n_params"] for name, key in
+                 (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer state", "state_bytes"))}
+    chart = [Bars("bytes per parameter, per rank", rows, lambda r: f"dp={r['dp']} zero {r['stage']}", per_param,
+                  "bytes per parameter", stacked=True, marks={"ZeRO paper formula": "paper_bytes_per_param"})]
+    report = {"model": {"width": width, "depth": depth, "n_params": rows[0]["n_params"], "optimizer": "AdamW fp32"},
+              "rows": rows, "target_met": all(t["met"] for t in targets.values())}
+    # each rank runs one thread (bytes do not depend on it)
+    return Result(report, [Table(rows, cols)], f"per-rank memory, AdamW fp32, {rows[0]['n_params'] / 1e6:.2f} M "
+                  "parameters", chart, targets, threads=1, processes=4)
+
+
+run = benchmark("zero", measure)

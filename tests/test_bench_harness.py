@@ -1,0 +1,97 @@
+"""kiln/bench/_harness.py: the one harness of every benchmark. A made-up benchmark goes through
+it (the files, the printed report, the machine, docs/benchmarks.md); tables align and group;
+the timing helpers take turns and pair rounds; ``kiln bench hf`` without accelerate is refused
+in one line before any work."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import kiln.hardware
+from kiln.bench import BENCHMARKS, _harness as h, run_benchmark
+
+
+def _measure(quick: bool = False, *, scale: float = 1.0) -> h.Result:
+    rows = [{"model": "gpt", "method": "torch", "ms": 2.0 * scale, "ratio": None},
+            {"model": "gpt", "method": "kiln", "ms": 1.0 * scale, "ratio": 2.0},
+            {"model": "bert", "method": "kiln", "ms": 3.0, "ratio": 1.5}]
+    cols = [h.Col("model", "model", group=True), h.Col("method", "method"), h.Col("ms", "ms", ".2f"),
+            h.Col("x torch", "ratio", ".2f")]
+    chart = [h.Bars("ms", rows, "method", {"ms": "ms"}, stacked=False, lines={"one": 1.0}),
+             h.Curves("curve", rows, "method", lambda r: ([0, 1], [0, r["ms"]]))]
+    return h.Result({"rows": rows, "quick": quick}, [h.Table(rows, cols, "a title")], "made up", chart,
+                    {"kiln at most 1.5 ms": h.target(1.0 * scale, 1.5)}, ["a note"], threads=1)
+
+
+run = h.benchmark("made-up", _measure)
+
+
+def test_a_benchmark_prints_and_writes_its_report(tmp_path, capsys):
+    report = run(tmp_path, quick=True, scale=1.0)
+    printed = capsys.readouterr().out
+    assert json.loads((tmp_path / "made-up.json").read_text()) == json.loads(json.dumps(report))
+    assert (tmp_path / "made-up.txt").read_text() == printed
+    assert (tmp_path / "made-up.png").stat().st_size > 5_000
+    assert printed.startswith("kiln bench made-up: made up\nmachine: ")
+    assert report["machine"] == {**kiln.hardware.machine_info(), "threads": 1}
+    assert kiln.hardware.machine_line(report["machine"]) in printed
+    assert report["rows"][0]["ms"] == 2.0 and report["quick"] is True and report["benchmark"] == "made-up"
+    assert report["targets"]["kiln at most 1.5 ms"]["met"] is True
+    assert "target kiln at most 1.5 ms: 1 (at most 1.5): met" in printed and "note: a note" in printed
+    assert set(report["load_average"]) == {"before", "after"} and report["seconds"] >= 0
+
+
+def test_table_aligns_numbers_right_words_left_and_prints_a_group_once():
+    rows = _measure().tables[0]
+    lines = rows.text().splitlines()
+    assert lines[0] == "a title"
+    assert lines[1].split() == ["model", "method", "ms", "x", "torch"] and set(lines[2]) == {"-"}
+    assert lines[3:] == ["gpt    torch   2.00        -",
+                         "       kiln    1.00     2.00",
+                         "bert   kiln    3.00     1.50"]
+
+
+def test_docs_keep_one_section_a_benchmark_and_the_latest_run(tmp_path):
+    docs = tmp_path / "docs" / "benchmarks.md"
+    run(tmp_path / "a", docs=docs, scale=1.0)
+    h.benchmark("other", _measure)(tmp_path / "b", docs=docs)
+    run(tmp_path / "a", docs=docs, scale=7.0)  # replaces its own section, keeps the other one
+    text = docs.read_text()
+    assert text.count("## kiln bench made-up") == 1 and text.count("## kiln bench other") == 1
+    assert "7.00" in text.split("## kiln bench other")[0]  # the latest made-up run
+    assert "machine: " + kiln.hardware.machine_line({**kiln.hardware.machine_info(), "threads": 1}) in text
+    assert "Measured " in text and " UTC" in text
+
+
+def test_interleaved_takes_turns_and_paired_ratios_are_per_round():
+    calls = []
+    times = h.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2,
+                          repeats={"a": 2, "b": 1}, untimed=1)
+    assert calls == ["a", "a", "a", "b", "b"] * 2
+    assert [len(t) for t in times.values()] == [4, 2]
+    ratio, by_round = h.paired([{"v": 2.0}, {"v": 9.0}, {"v": 3.0}], [{"v": 1.0}, {"v": 3.0}, {"v": 3.0}], "v")
+    assert by_round == [2.0, 3.0, 1.0] and ratio == 2.0
+
+
+def test_quick_runs_leave_the_docs_alone(tmp_path, monkeypatch):
+    written = []
+    monkeypatch.setattr(h, "_write_docs", lambda *a: written.append(a))
+    monkeypatch.setitem(BENCHMARKS, "made-up", (__name__, "made up"))  # this module's run
+    run_benchmark("made-up", tmp_path, quick=True)
+    assert written == [] and (tmp_path / "made-up.json").exists()
+    run_benchmark("made-up", tmp_path)
+    assert [a[1] for a in written] == ["made-up"]
+
+
+def test_bench_hf_without_accelerate_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    from kiln.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    assert main(["bench", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "accelerate" in err and "pip install 'kiln[bench]'" in err, err
+    assert list(tmp_path.iterdir()) == []  # no work began: not even the output folder
