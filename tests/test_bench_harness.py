@@ -20,8 +20,8 @@ def _measure(quick: bool = False, *, scale: float = 1.0) -> h.Result:
             {"model": "bert", "method": "kiln", "ms": 3.0, "ratio": 1.5}]
     cols = [h.Col("model", "model", group=True), h.Col("method", "method"), h.Col("ms", "ms", ".2f"),
             h.Col("x torch", "ratio", ".2f")]
-    chart = [h.Bars("ms", rows, "method", {"ms": "ms"}, stacked=False, lines={"one": 1.0}),
-             h.Curves("curve", rows, "method", lambda r: ([0, 1], [0, r["ms"]]))]
+    chart = [h.Bars("ms", rows, "method", {"ms": "ms"}, lines={"one": 1.0}, marks={"half": lambda r: r["ms"] / 2}),
+             h.Bars("stacked", rows, "method", {"ms": "ms", "again": "ms"}, stacked=True, horizontal=True, log=True)]
     return h.Result({"rows": rows, "quick": quick}, [h.Table(rows, cols, "a title")], "made up", chart,
                     {"kiln at most 1.5 ms": h.target(1.0 * scale, 1.5)}, ["a note"], threads=1)
 

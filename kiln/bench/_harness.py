@@ -3,7 +3,7 @@
 A benchmark only measures. Its ``measure(quick, **options)`` (and ``out=``, the output folder,
 where it takes one: files of its own) returns a :class:`Result`: the
 JSON it wants to keep, its rows with the columns to show them in (:class:`Table`,
-:class:`Col`), the panels of its chart (:class:`Bars`, :class:`Curves`), targets and notes.
+:class:`Col`), the panels of its chart (:class:`Bars`), targets and notes.
 :func:`benchmark` turns that into the module's ``run(out_dir, quick=False, **options)``,
 which owns everything else, written once here:
 
@@ -187,29 +187,6 @@ class Bars:
 
 
 @dataclasses.dataclass
-class Curves:
-    """A panel of lines, one a row: ``points(row) -> (xs, ys)``."""
-
-    title: str
-    rows: list[dict[str, Any]]
-    name: Key
-    points: Callable[[dict[str, Any]], tuple[list[float], list[float]]]
-    xlabel: str = ""
-    label: str = ""
-    lines: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def draw(self, ax: Any) -> None:
-        for r in self.rows:
-            ax.plot(*self.points(r), marker=".", label=str(_get(r, self.name)))
-        for name, value in self.lines.items():
-            ax.axhline(value, color="k", lw=0.8, ls="--", label=name)
-        ax.set_xlabel(self.xlabel, fontsize=8)
-        ax.set_ylabel(self.label, fontsize=8)
-        ax.set_title(self.title, fontsize=9)
-        ax.legend(fontsize=7)
-
-
-@dataclasses.dataclass
 class Result:
     """What ``measure`` returns. ``report``: the JSON's own keys (the harness adds ``machine``,
     ``load_average``, ``seconds``, ``measured_at``, ``notes`` and ``targets``). ``threads``: torch's
@@ -219,7 +196,7 @@ class Result:
     report: dict[str, Any]
     tables: list[Table]
     title: str
-    chart: list[Bars | Curves]
+    chart: list[Bars]
     targets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     threads: int | None = None
@@ -280,7 +257,7 @@ def _load_note(load: tuple[tuple[float, ...], ...], cpus: int, processes: int) -
             "idle machine"]
 
 
-def _draw(panels: list[Bars | Curves], path: Path, title: str) -> None:
+def _draw(panels: list[Bars], path: Path, title: str) -> None:
     from kiln._plotting import pyplot
 
     plt = pyplot()

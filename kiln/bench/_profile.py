@@ -18,7 +18,22 @@ COMM_PREFIXES = ("c10d::", "gloo:", "_c10d_functional::", "nccl:")
 
 
 @contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
+def profiled() -> Iterator[Any]:
+    """``torch.profiler.profile`` of CPU activities around the block; read its events after it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _quiet_stderr():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
     # kineto prints two "USDT: ... profiler_start/stop" lines per profile to fd 2 from C++
     # (no switch turns them off); one run of a benchmark would print hundreds
     saved = os.dup(2)

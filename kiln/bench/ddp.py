@@ -192,12 +192,12 @@ def _worker(rank: int, world: int, names: tuple[str, ...], methods: tuple[str, .
 
 def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[str, Any]:
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    from kiln.bench._profile import quiet_stderr
+    from kiln.bench._profile import profiled
     from kiln.parallel import all_reduce_gradients, sync_gradients
 
-    warmup, steps, profiled = QUICK_STEPS if quick else STEPS[name]
+    warmup, steps, n_profiled = QUICK_STEPS if quick else STEPS[name]
     model, inputs, targets, loss_fn = _setup(name, quick)
     n_params = sum(p.numel() for p in model.parameters())
     net, opt = _wrap(method, model)
@@ -233,21 +233,16 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[s
     dist.barrier()  # the step ends when the slower rank is done
     wall = time.perf_counter() - t0
 
-    prof = None
+    comm = {}
     if world > 1:
-        prof = profile(activities=[ProfilerActivity.CPU])
-        with quiet_stderr():
-            prof.start()
-        try:
-            for i in range(warmup + steps, warmup + steps + profiled):
+        with profiled() as prof:
+            for i in range(warmup + steps, warmup + steps + n_profiled):
                 step(i)
             done()
-        finally:
-            with quiet_stderr():
-                prof.stop()
         dist.barrier()
+        comm = _comm(prof, n_profiled)
     return {"wall_s": wall, "n_params": n_params, "steps": steps, "classes": _classes(net, opt),
-            "losses": torch.stack(losses).tolist(), **(_comm(prof, profiled) if prof is not None else {})}
+            "losses": torch.stack(losses).tolist(), **comm}
 
 
 def _comm(prof: Any, steps: int) -> dict[str, Any]:

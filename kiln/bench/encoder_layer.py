@@ -7,7 +7,7 @@ gradients) are timed separately, in ms per step (= seconds per 1000 steps), for:
 
 - ``a``: ``nn.TransformerEncoderLayer(norm_first=True)`` + ``torch.optim.Adam`` (defaults);
 - ``b``: the same layer + ``kiln.optim.Adam`` (parameters and gradients in one arena, one
-  fused update). Skipped, with a note, while ``kiln.optim.Adam`` does not exist;
+  fused update);
 - ``c-fp32-eager``: kiln's fused :class:`~kiln.models.encoder.EncoderLayer` with
   ``fast_dropout`` + kiln's Adam, in fp32: the fused layer's own gain, apart from bf16's;
 - ``c-fp32``: the same + ``torch.compile``;
@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+import kiln.optim
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, target
 from kiln.compile import apply_compile, timed_first_call
 from kiln.hardware import machine_info
@@ -55,14 +55,6 @@ HIDDEN, FFN, HEADS, DROPOUT = 128, 512, 16, 0.1
 BATCH, SEQ = 50, 80
 LR = 1e-3
 PHASES = ("forward", "backward", "step")
-
-
-def _kiln_adam() -> Callable[..., torch.optim.Optimizer] | None:
-    """``kiln.optim.Adam`` if the optimizer package provides it yet, else None."""
-    try:
-        return getattr(importlib.import_module("kiln.optim"), "Adam", None)
-    except ImportError:
-        return None
 
 
 class _Variant:
@@ -111,15 +103,8 @@ def _build(quick: bool, notes: list[str]) -> list[_Variant]:
         return layer
 
     variants = [_Variant("a", "torch layer + torch Adam", reference, torch.optim.Adam(reference.parameters(), lr=LR))]
-    kiln_adam = _kiln_adam()
-    if kiln_adam is None:
-        notes.append("b skipped: kiln.optim.Adam does not exist yet; c uses torch.optim.Adam(fused=True) instead")
-
-        def kiln_adam(params, lr):  # stand-in until kiln.optim lands; the closest torch has
-            return torch.optim.Adam(params, lr=lr, fused=True)
-    else:
-        layer = torch_layer()
-        variants.append(_Variant("b", "torch layer + kiln Adam", layer, kiln_adam(layer.parameters(), lr=LR)))
+    layer = torch_layer()
+    variants.append(_Variant("b", "torch layer + kiln Adam", layer, kiln.optim.Adam(layer.parameters(), lr=LR)))
 
     share = 1.0
     if not machine_info()["native_bf16"]:
@@ -132,7 +117,7 @@ def _build(quick: bool, notes: list[str]) -> list[_Variant]:
     for name, bf16, compiled in (("c-fp32-eager", False, False), ("c-fp32", False, True),
                                  ("c-eager", True, False), ("c", True, True)):
         layer = EncoderLayer.from_torch_layer(torch_layer(), fast_dropout=True)
-        optimizer = kiln_adam(layer.parameters(), lr=LR)
+        optimizer = kiln.optim.Adam(layer.parameters(), lr=LR)
         run = apply_compile(layer) if compiled and not quick else None
         label = "kiln layer + kiln Adam + " + ("bf16" if bf16 else "fp32") + (" + compile" if compiled else " (eager)")
         variants.append(_Variant(name, label, layer, optimizer, autocast=bf16, compiled=run,
@@ -159,9 +144,7 @@ def measure(quick: bool = False) -> Result:
     base = results["a"]["ms_per_step"]
     for r in results.values():
         r["speedup_vs_a"] = {k: base[k] / r["ms_per_step"][k] for k in (*PHASES, "total")}
-    targets = {}
-    if "b" in results:
-        targets["b_step_3x"] = target(results["b"]["speedup_vs_a"]["step"], 3.0, higher=True)
+    targets = {"b_step_3x": target(results["b"]["speedup_vs_a"]["step"], 3.0, higher=True)}
     # on any CPU: kiln's fastest variant per whole iteration (bf16 helps only where it is native)
     best = max((n for n in results if n not in ("a", "b")), key=lambda n: results[n]["speedup_vs_a"]["total"])
     speedup = results[best]["speedup_vs_a"]["total"]

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark
-from kiln.bench._profile import comm_seconds, quiet_stderr
+from kiln.bench._profile import comm_seconds, profiled
 from kiln.bench._rss import Rss, held_bytes
 
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
@@ -151,7 +151,6 @@ def _tiny(settings: dict[str, Any]) -> dict[str, Any]:
 def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[str, Any], rss: Rss) -> dict[str, Any]:
     """Build ``name``, lay it out, train warm-up, timed and profiled steps; this rank's numbers."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
     import kiln.optim
     from kiln.parallel import Layout, parallelize
@@ -206,18 +205,12 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
     peak_steps = rss.read()["VmHWM"]
     clock.append(time.perf_counter())
 
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with quiet_stderr():
-        prof.start()
-    try:
+    with profiled() as prof:
         t1 = time.perf_counter()
         for _ in range(s["profiled"]):
             step()
             opt.zero_grad()
         profiled_wall = time.perf_counter() - t1
-    finally:
-        with quiet_stderr():
-            prof.stop()
     comm, comm_by_name = comm_seconds(prof)
     dist.barrier()
     clock.append(time.perf_counter())

@@ -41,24 +41,15 @@ process (the command is in the JSON: paste it to rerun a row). Columns:
 - steps (to target / run), final accuracy, and peak memory: rank 0's peak resident set (the
   ranks are symmetric; loader workers are other processes and not counted).
 
-Honest limits on a small CPU machine (every row's notes are in the JSON):
-
-- the processes share the cores: ``--nproc 2`` on 2 cores leaves ``data.workers=auto`` 0
-  workers per rank (one CPU each), so row 3 replaces 2 loader workers by 2 ranks that each
-  augment their half-batch themselves;
-- bf16 without AVX-512-BF16/AMX is emulated: ``bf16-mixed`` is slower than fp32 there
-  (``kiln.hardware`` says which the machine has, in the table's header);
-- ZeRO-2 shards gradients and optimizer state of a model of ~0.1 M parameters: nothing to
-  save, some communication to add (the article, too, found no gain from sharding);
-- the augmentation's random streams differ between the main process and workers, so rows
-  differ in accuracy a little by chance; no-grad evaluation alone changes no number.
+What a small CPU machine limits (cores shared by ranks and loader workers, bf16 emulated,
+ZeRO-2 on a model of ~0.1 M parameters, augmentation streams that differ in workers) is said
+under the table, from the run's own numbers (:func:`_notes`).
 
     kiln bench pipeline            # or --quick for a smoke run
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -71,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.bench._harness import Bars, Col, Curves, Result, Table, benchmark, children_cpu_s
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, children_cpu_s
 
 __all__ = ["PipelineCNN", "augmented_digits", "make_model", "ROWS", "row_commands", "run", "measure"]
 
@@ -200,11 +191,14 @@ def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float) -
     if done.returncode != 0:
         raise RuntimeError(f"row {row['row']} ({row['name']}) failed with exit code {done.returncode}:\n"
                            f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    import yaml
+
+    from kiln.train import read_metrics
+
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    config_used = _read_yaml(run_dir / "config.yaml")
-    with open(run_dir / "metrics.csv", newline="") as f:
-        evals = [r for r in csv.DictReader(f) if r.get("eval_accuracy")]
+    config_used = yaml.safe_load((run_dir / "config.yaml").read_text())
+    evals = [r for r in read_metrics(run_dir) if r.get("eval_accuracy")]
     curve = [{"step": int(r["step"]), "wall_s": float(r["wall_seconds"]), "accuracy": float(r["eval_accuracy"]),
               "loss": float(r["eval_loss"])} for r in evals]
     hit = next((e for e in curve if e["accuracy"] >= target), None)
@@ -219,12 +213,6 @@ def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float) -
         "best_accuracy": max(e["accuracy"] for e in curve), "peak_memory_mb": summary["peak_memory_mb"],
         "samples_per_s": summary["samples_per_second"], "curve": curve, "run_dir": str(run_dir),
     }
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
 
 
 def measure(quick: bool = False, *, out: Path) -> Result:
@@ -252,9 +240,8 @@ def measure(quick: bool = False, *, out: Path) -> Result:
     label = lambda r: f"{r['row']}. {r['name']}"  # noqa: E731
     chart = [Bars("cumulative speedup over row 1", rows, label, {"time to target": "speedup_to_target",
                   "whole run": "speedup_run"}, "speedup (higher is better)", lines={"row 1": 1.0}),
-             Curves("accuracy against wall time", rows, label, lambda r: ([e["wall_s"] for e in r["curve"]],
-                    [e["accuracy"] for e in r["curve"]]), "wall seconds (run's clock)", "validation accuracy",
-                    lines={"target": spec["target"]})]
+             Bars("validation accuracy", rows, label, {"final": "final_accuracy", "best": "best_accuracy"},
+                  "accuracy", lines={"target": spec["target"]})]
     report = {"setup": dict(spec, batch_size=BATCH, eval_batch_size=EVAL_BATCH, lr=LR, image=IMAGE, quick=quick,
                             base_config=_config(spec)), "rows": rows}
     title = (f"six ways to a faster pipeline, stacked; target: validation accuracy >= {spec['target']:.0%}; "

