@@ -47,7 +47,7 @@ def _train(rank: int, world: int, stage: int, overlap: bool, accumulate: int) ->
     # buckets of ~1 KiB: several per arena (a 16 x 16 fp64 weight is 2 KiB)
     zero = ZeroOptimizer(opt, stage, overlap=overlap, bucket_mb=1 / 1024)
     broadcast_parameters(model)
-    buckets = zero._buckets
+    buckets = zero.reducer if zero.reducer.overlap else None  # (without overlap: every bucket after backward)
     at_first_layer: list[int] = []  # buckets launched when the first layer's weight gradient is computed
     model.layers[0].weight.register_hook(lambda g: at_first_layer.append(buckets.next if buckets else 0))
     gen = torch.Generator().manual_seed(100 + rank)

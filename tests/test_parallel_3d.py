@@ -66,9 +66,7 @@ def _run_case(rank: int, name: str, dp: int, tp: int, pp: int, zero: int, schedu
     layout = Layout(dp, tp, pp)
     par = parallelize(create_model(name, **MODEL), layout, zero=zero, pp_schedule=schedule, microbatches=M,
                       loss_fn=_loss)
-    opt = _optimizer(par.model.parameters(), par.arena)
-    if zero in (1, 2) and dp > 1:
-        opt = ZeroOptimizer(opt, zero, group=par.dp_group)
+    opt = par.data_parallel(_optimizer(par.model.parameters(), par.arena))  # ZeRO-1/2: the wrapper
     me = layout.coords(rank)
     losses, grads, norms = [], [], []
     for inputs, targets in _batches():
@@ -82,7 +80,7 @@ def _run_case(rank: int, name: str, dp: int, tp: int, pp: int, zero: int, schedu
                     part = _loss(par.model(xm), ym) / M
                     part.backward()
                     loss = loss + par.value(part)
-        par.reduce_gradients(opt)
+        par.reduce_gradients()
         norms.append(float(par.clip(opt, 1.0)))  # clipping active: the first norm is ~1.4
         if not isinstance(opt, ZeroOptimizer):  # ZeRO-2 keeps only this rank's gradient shard
             grads.append({n: _full(p.grad) for n, p in par.model.named_parameters() if p.grad is not None})

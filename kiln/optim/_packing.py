@@ -125,11 +125,11 @@ class Pack:
         self.arena, self.group, self.params = arena, group, params
         self.s0, self.s1 = s0, s0 + len(params)
         # What p.grad must be, per slot (see Packing.sync): a view of the flat gradient that
-        # only p holds, watched through a weak reference (grefs), or a view the arena holds
-        # itself (strong: not watchable, e.g. put back by ZeRO-2), or None (frozen, no gradient).
+        # only p holds, watched through a weak reference (grefs), or None (frozen, no gradient).
         self.grefs: list[weakref.ref | None] = [None] * len(params)
-        self.strong: list[torch.Tensor | None] = [None] * len(params)
-        self.unwatched = 0        # slots whose expected gradient is strong
+        # while the flat gradient is freed (park_grads: ZeRO-2 between steps) the views, kept
+        # alive here, with p.grad None
+        self.parked: list[torch.Tensor | None] | None = None
         self.frozen: list[int] = []  # slots whose p.grad must stay None
         self.hookless: list[int] = []  # slots with a view but no gradient hook (see Packing.zero_grad)
         self.ptrs: list[int] = [0] * len(params)  # p.data_ptr() of each parameter (in the arena)
@@ -161,8 +161,6 @@ class Pack:
 
     def expected_grad(self, i: int) -> Any:
         """What p.grad of slot i must be: the arena's view, None, or _DEAD (a watched view died)."""
-        if self.strong[i] is not None:
-            return self.strong[i]
         ref = self.grefs[i]
         if ref is None:
             return None
@@ -187,8 +185,7 @@ class Pack:
         self.step = int(steps[0]) if steps else 0
 
     def rewatch(self, flags: bytearray) -> None:
-        self.unwatched = sum(v is not None for v in self.strong)
-        self.frozen = [i for i in range(len(self.params)) if self.grefs[i] is None and self.strong[i] is None]
+        self.frozen = [i for i in range(len(self.params)) if self.grefs[i] is None]
         # linked to a view without a gradient hook (frozen when linked, given a gradient by hand)
         self.hookless = [i for i, p in enumerate(self.params) if i not in self.frozen
                          and getattr(p, "_kiln_hooked", None) is not flags]
@@ -326,7 +323,6 @@ class Packing:
         reference whose death (p.grad reassigned) marks the gradients dirty; frozen parameters
         without a gradient keep None, as with torch (``force``: link a view anyway)."""
         p = pack.params[i]
-        pack.strong[i] = None
         if force or p.requires_grad or p.grad is not None:
             lo, n = pack.arena.segment_range(i)[0], pack.arena.numels[i]
             view = pack.arena.grad[lo:lo + n].view(pack.arena.shapes[i])
@@ -392,8 +388,7 @@ class Packing:
         for pack in self.packs:
             if _use_count(pack.pstore._cdata) != pack.puse:
                 return False
-            if grads and (pack.unwatched or (pack.frozen and any(
-                    pack.params[k].grad is not None for k in pack.frozen))):
+            if grads and pack.frozen and any(pack.params[k].grad is not None for k in pack.frozen):
                 return False
         return True
 
@@ -424,9 +419,6 @@ class Packing:
                 g, view = p.grad, pack.arena.gviews[i]
                 if g is pack.expected_grad(i):
                     continue
-                if g is view:  # the arena's own view, put back by ZeRO-2: adopted, not watchable
-                    pack.grefs[i], pack.strong[i] = None, view
-                    continue
                 if g is None:  # model.zero_grad() or a user set it to None: no gradient
                     view.zero_()
                     flags[pack.s0 + i] = 0
@@ -447,7 +439,7 @@ class Packing:
         check = self.dirty[1]  # O(1) unless a gradient may have been reassigned
         for pack in self.packs:
             # a gradient assigned by hand since the last step would otherwise be accumulated into
-            if (check or pack.unwatched or pack.frozen) and not pack.grads_intact():
+            if (check or pack.frozen) and not pack.grads_intact():
                 for i, p in enumerate(pack.params):
                     e = pack.expected_grad(i)
                     if p.grad is not e:
@@ -460,7 +452,7 @@ class Packing:
                 # as torch: None, so that autograd's next gradient (the parameter unfrozen) is
                 # a fresh tensor the check sees, not an unseen accumulation into the view
                 for i in pack.hookless:
-                    pack.grefs[i], pack.strong[i] = None, None
+                    pack.grefs[i] = None
                     pack.params[i].grad = None
                 pack.rewatch(self.flags)
             pack.arena.grad.zero_()
@@ -470,3 +462,31 @@ class Packing:
             sp.arena.grad.zero_()
         if set_to_none:
             self.flags[:] = bytes(len(self.flags))
+
+    # -- a freed flat gradient (ZeRO-2 between steps) -------------------------------------------
+    @torch.no_grad()
+    def park_grads(self) -> None:
+        """Free every flat gradient's memory (storage resized to 0) with ``p.grad`` None; the
+        views are kept, so that :meth:`unpark_grads` puts the same ones back and the guard sees
+        nothing to absorb."""
+        for pack in self.packs:
+            if pack.parked is None:
+                pack.parked = [p.grad for p in pack.params]
+                for p in pack.params:
+                    p.grad = None
+            pack.arena.grad.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def unpark_grads(self, nbytes: list[int], before_touch: Callable[[torch.Tensor], None] | None = None) -> None:
+        """The flat gradients back, ``nbytes`` each, as zeros, and every ``p.grad`` its view
+        again (``before_touch(flat)`` runs before the first write: a page-size hint)."""
+        for pack, size in zip(self.packs, nbytes):
+            grad = pack.arena.grad
+            grad.untyped_storage().resize_(size)
+            if before_touch is not None:
+                before_touch(grad)
+            grad.zero_()
+            if pack.parked is not None:
+                for p, view in zip(pack.params, pack.parked):
+                    p.grad = view
+                pack.parked = None

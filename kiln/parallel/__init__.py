@@ -3,11 +3,14 @@
 - :func:`init_distributed`, :func:`rank`, :func:`world_size`, :func:`is_main`: process group
   set-up from torchrun's environment (a no-op in one process).
 - zero=0, data parallel on the arena: :func:`broadcast_parameters` once at start,
-  :func:`all_reduce_gradients` once per optimizer step (one all-reduce per arena).
+  :func:`all_reduce_gradients` once per optimizer step. One reducer averages gradients for
+  every stage (:mod:`kiln.parallel._reducer`): in buckets of the arena's flat gradients,
+  reduced during the backward run inside :func:`sync_gradients` (the step's last
+  micro-batch) with ``overlap=True``, else all launched after it; the stage chooses the
+  collective.
 - :class:`ZeroOptimizer`: ZeRO stage 1 (sharded optimizer state) and stage 2 (sharded state
   and gradients) around a kiln optimizer; each rank owns one contiguous shard of each arena.
-  With ``overlap=True`` (any stage, 0 included) gradients are reduced in buckets during the
-  backward run inside :func:`sync_gradients` (the step's last micro-batch).
+- :meth:`Parallel.data_parallel`: the trainer's choice among these for its optimizer.
 
 - zero=3: :func:`apply_fsdp` (FSDP2 ``fully_shard`` per block, then the root); kiln's
   optimizers with ``contiguous=False`` step the DTensor shards.

@@ -11,8 +11,9 @@ whatever the layout:
   layouts);
 - ``pipeline``: the :class:`~kiln.parallel._pp.Pipeline` when ``pp > 1`` (its ``step`` runs
   forward and backward of every micro-batch);
-- :meth:`Parallel.loss_context`, :meth:`Parallel.reduce_gradients`, :meth:`Parallel.clip`,
-  :meth:`Parallel.logits`: the layout-dependent pieces of a step.
+- :meth:`Parallel.data_parallel`: the optimizer's data-parallel side (ZeRO-1/2, or the reducer);
+- :meth:`Parallel.loss_context`, :meth:`Parallel.sync_gradients`, :meth:`Parallel.reduce_gradients`,
+  :meth:`Parallel.clip`, :meth:`Parallel.logits`: the layout-dependent pieces of a step.
 
     >>> from kiln.parallel._mesh import Layout
     >>> par = parallelize(nn.Linear(2, 2), Layout(), zero=0)   # one process: nothing changes
@@ -41,7 +42,10 @@ class Parallel:
                  loss_parallel: bool = False) -> None:
         self.model, self.layout, self.mesh, self.pipeline = model, layout, mesh, pipeline
         self.loss_parallel = loss_parallel
+        self.zero = zero
         self.fsdp = zero == 3 and layout.dp > 1
+        self.reduce: Callable[[], None] | None = None  # averages the gradients over dp (data_parallel)
+        self.reducer: Any = None
         self.tp = layout.tp > 1
         self.dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
         self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
@@ -113,19 +117,39 @@ class Parallel:
         """The metrics of the rank that computed them (the last pipeline stage) on every rank."""
         return self.pipeline.share_from_last(metrics) if self.pipeline is not None else metrics
 
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Average the gradients over the data-parallel ranks, once per optimizer step: a
-        reduce-scatter into each rank's shard (ZeRO-1/2), or one all-reduce per arena (or per
-        dtype over the local DTensor shards, tensor parallel); nothing under FSDP2, whose
-        backward reduce-scattered them already."""
+    def data_parallel(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False,
+                      bucket_mb: float = 25.0) -> torch.optim.Optimizer:
+        """The optimizer a step uses, and how its gradients are averaged over the data-parallel
+        ranks (torchtitan's ``parallelize`` makes this choice for the model; here for its
+        optimizer, built over :attr:`model` after :func:`parallelize`): ZeRO-1/2 wrap it in a
+        :class:`~kiln.parallel.ZeroOptimizer` (returned: step that from now on), which reduces
+        into each rank's shard; otherwise one :class:`~kiln.parallel._reducer.GradReducer` of
+        stage 0 averages the gradients in place; FSDP2 reduced them in backward already.
+        ``overlap``: buckets reduced during the step's last backward (kiln's arena only)."""
         if self.layout.dp == 1 or self.fsdp:
-            return
-        from kiln.parallel._zero import ZeroOptimizer, all_reduce_gradients
+            return optimizer
+        from kiln.parallel._reducer import Backend, GradReducer
+        from kiln.parallel._zero import ZeroOptimizer
 
-        if isinstance(optimizer, ZeroOptimizer):
-            optimizer.reduce_gradients()
+        if self.zero in (1, 2):
+            optimizer = ZeroOptimizer(optimizer, self.zero, group=self.dp_group, overlap=overlap, bucket_mb=bucket_mb)
+            self.reducer, self.reduce = optimizer.reducer, optimizer.reduce_gradients
         else:
-            all_reduce_gradients(optimizer, self.dp_group)
+            self.reducer = GradReducer(optimizer, 0, Backend(self.dp_group), overlap=overlap,
+                                       bucket_bytes=int(bucket_mb * 2**20))
+            self.reduce = self.reducer.reduce
+        return optimizer
+
+    def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around each micro-batch's backward: the step's last one (``last``) reduces gradient
+        buckets as backward completes them, when :meth:`data_parallel` asked for overlap."""
+        return self.reducer.sync(last) if self.reducer is not None else contextlib.nullcontext()
+
+    def reduce_gradients(self) -> None:
+        """Average the gradients over the data-parallel ranks, once per optimizer step (see
+        :meth:`data_parallel`); nothing with one replica or under FSDP2."""
+        if self.reduce is not None:
+            self.reduce()
 
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the norm of the whole model's gradient (every shard, stage and tensor-parallel

@@ -1,27 +1,20 @@
 """Data parallel (zero=0) and ZeRO stages 1 and 2 on kiln's arena.
 
-Every rank holds the whole model. Stage 0 averages gradients with one ``all_reduce`` per
-arena. Under ZeRO (Rajbhandari et al., arXiv 1910.02054) the optimizer shards itself
-(:meth:`kiln.optim.ArenaOptimizer.shard`: it steps only the rank's contiguous shard of each
-arena and holds state for that alone); this wrapper owns the sharding and moves the bytes,
-and gives the optimizer the sum over the group that completes LAMB's and LARS's norms. Stage 1 reduce-scatters gradients (averaged) in place into the shard, a view of
-the full gradient, and all-gathers the parameters after the step (on gloo, whose
-reduce-scatter and all-gather are slow, an all-reduce and one broadcast per shard owner). Stage 2 also frees the full
-gradient after the reduce-scatter (storage resized to 0, ``p.grad`` None) until the next
-backward's first gradient (a gradient pre-hook brings it back as zeros), so through the
-forward pass, where activation memory peaks, a rank holds only its shard's gradient.
+Every rank holds the whole model. Its gradients are averaged by the one reducer,
+:class:`~kiln.parallel._reducer.GradReducer` (in buckets, overlapped with the last backward or
+launched at its end; the stage chooses the collective). Under ZeRO (Rajbhandari et al., arXiv
+1910.02054) the optimizer steps only the rank's contiguous shard of each arena
+(:meth:`kiln.optim.ArenaOptimizer.shard`) and holds state for that alone; this wrapper owns the
+sharding: it gives the optimizer the sum over the group that completes LAMB's and LARS's norms,
+has the reducer sum each bucket into its owner, and gathers the parameters after the step
+(:class:`~kiln.parallel._reducer.Backend` picks the collectives: gloo's are slow at some).
+Stage 2 also frees the full gradient after the reduction until the next backward's first
+gradient (a gradient pre-hook brings it back as zeros), so through the forward pass, where
+activation memory peaks, a rank holds only its shard's gradient.
 
-With ``overlap=True`` the communication runs during the step's last backward instead of
-after it: the flat gradients are cut into buckets, and each bucket's all-reduce (stage 0) or
-reduce to its shard's owner (stages 1, 2) starts, asynchronously, as soon as autograd has
-accumulated its last gradient (post-accumulate-grad hooks), while backward computes the
-earlier layers' gradients; :meth:`ZeroOptimizer.reduce_gradients` waits for them. Only the
-backward run inside ``sync_gradients(True)`` communicates, so with accumulation the other
-micro-batches accumulate locally; results are bitwise those of the synchronous path (see
-:class:`_Buckets`). :meth:`ZeroOptimizer.overlap_param_gather` does the same for the other
-direction under ZeRO: the parameters each rank stepped go out in chunks after the step, and
-the next forward waits, module by module, only for the chunks its parameters sit in (see
-:class:`_Gather`).
+:meth:`ZeroOptimizer.overlap_param_gather` overlaps the other direction: the parameters each
+rank stepped go out in chunks after the step, and the next forward waits, module by module,
+only for the chunks its parameters sit in (see :class:`_Gather`).
 
 The calls per step, the same on every rank (they are collectives); dp ranks with batch B/dp
 each train like one process with batch B (gradients are averaged; tested to 1e-6)::
@@ -51,7 +44,7 @@ import functools
 import math
 import sys
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -59,22 +52,9 @@ from torch.optim import Optimizer
 
 from kiln.optim import ArenaOptimizer, ArenaSlice
 from kiln.parallel._dist import reducer
+from kiln.parallel._reducer import Backend, GradReducer, sum_over_ranks, tensors_of
 
 __all__ = ["ZeroOptimizer", "broadcast_parameters", "all_reduce_gradients", "sync_gradients"]
-
-# torch 2.13 renamed the flat collectives (the old names warn)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _on_gloo(group: dist.ProcessGroup | None) -> bool:
-    """gloo's reduce, reduce-scatter and all-gather cost more than its all-reduce and broadcast
-    (2 processes, 100 MB of fp32 on the 2-core CPU machine: all-reduce 66 ms, reduce to one rank
-    102, reduce-scatter 171; all-gather of 2 x 50 MB 149 ms, two broadcasts of them 32): on gloo
-    the wrapper sums with all-reduce and gathers with one broadcast per owner. NCCL's
-    reduce-scatter and all-gather move half an all-reduce's bytes and are used there."""
-    return dist.get_backend(group) == "gloo"
-
 
 _HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
@@ -111,17 +91,6 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-# -- zero=0: data parallel ----------------------------------------------------------------------
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, ZeroOptimizer):
-        obj = obj.optimizer
-    if isinstance(obj, Optimizer):
-        return [p for g in obj.param_groups for p in g["params"]]
-    if isinstance(obj, torch.nn.Module):
-        return list(obj.parameters()) + list(obj.buffers())
-    return list(obj)
-
-
 @torch.no_grad()
 def broadcast_parameters(module_or_optimizer: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> int:
     """Copy rank ``src``'s parameters (and a module's buffers) to every rank, once before training:
@@ -130,7 +99,7 @@ def broadcast_parameters(module_or_optimizer: Any, src: int = 0, group: dist.Pro
     if _world(group) == 1:
         return 0
     spans: dict[tuple, list[Any]] = {}  # storage key -> [storage, device, lo byte, hi byte]
-    for t in _tensors_of(module_or_optimizer):
+    for t in tensors_of(module_or_optimizer):
         if t is None or t.numel() == 0:
             continue
         st, lo = t.untyped_storage(), t.storage_offset() * t.element_size()
@@ -145,49 +114,20 @@ def broadcast_parameters(module_or_optimizer: Any, src: int = 0, group: dist.Pro
     return len(spans)
 
 
-def _sum_over_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Sum tensors in place over the ranks of group: one all-reduce per dtype, over a flat copy."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(ts, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in ts]), ts)])
-
-
 @torch.no_grad()
-def all_reduce_gradients(optimizer: Optimizer | Any, group: dist.ProcessGroup | None = None, *,
-                         sync_unused: bool = True) -> None:
+def all_reduce_gradients(optimizer: Optimizer | Any, group: dist.ProcessGroup | None = None) -> None:
     """Average the gradients of ``optimizer``'s parameters over ``group`` (zero=0), once per step,
-    after the *last* micro-batch's backward, before unscaling, clipping and ``step()``.
-
-    A kiln optimizer: one ``all_reduce`` (sum) per arena on the flat gradient in place, then one
-    divide; with ``sync_unused`` one more tiny all-reduce ORs which parameters received a
-    gradient, so ranks that disagree (a branch taken on some ranks only) step the same ones.
-    Otherwise one all-reduce per dtype over a flat copy of the (local) gradients, None as zero."""
-    world = _world(group)
-    if world == 1:
-        return
+    after the *last* micro-batch's backward, before unscaling, clipping and ``step()``: the
+    reducer's buckets, all launched now (a kiln optimizer on its arena: one collective per
+    bucket of its flat gradients, then one divide; ranks that disagree on which parameters
+    received a gradient step the same ones), or one all-reduce per dtype over a flat copy of
+    the (local) gradients, None as zero. A :class:`ZeroOptimizer` reduces its own."""
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.reduce_gradients()
         return
-    if isinstance(optimizer, ArenaOptimizer) and optimizer.contiguous:
-        if sync_unused:
-            optimizer.union_received(lambda flags: _max_over_ranks(flags, optimizer, group))
-        for g in optimizer.flat_grads():
-            dist.all_reduce(g, group=group)  # gloo has no AVG: sum, then divide once
-            g.div_(world)
-        return
-    # Parameters as they are (multi-tensor mode; the local shards of tensor-parallel DTensor
-    # gradients, laid out alike on every dp rank).
-    params = [p for p in dict.fromkeys(_tensors_of(optimizer)) if p.requires_grad]  # a tied one once
-    for p in params:
-        if p.grad is None:  # every rank must send the same buffer: a missing gradient is zero
-            p.grad = torch.zeros_like(p)
-    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params]
-    _sum_over_ranks(grads, group)
-    torch._foreach_div_(grads, world)
+    backend = Backend(group)
+    if backend.world > 1:
+        GradReducer(optimizer, 0, backend).reduce()
 
 
 def sync_gradients(optimizer: Optimizer, last: bool = True) -> contextlib.AbstractContextManager:
@@ -197,14 +137,6 @@ def sync_gradients(optimizer: Optimizer, last: bool = True) -> contextlib.Abstra
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.sync_gradients(last)
     return contextlib.nullcontext()
-
-
-def _max_over_ranks(flags: torch.Tensor, optimizer: ArenaOptimizer, group: dist.ProcessGroup | None) -> None:
-    device = optimizer.arenas[0].device if optimizer.arenas else torch.device("cpu")
-    on_dev = flags if dist.get_backend(group) == "gloo" or device.type == "cpu" else flags.to(device)  # NCCL
-    dist.all_reduce(on_dev, op=dist.ReduceOp.MAX, group=group)
-    if on_dev is not flags:
-        flags.copy_(on_dev.cpu())
 
 
 # -- ZeRO-1 / ZeRO-2 ----------------------------------------------------------------------------
@@ -235,22 +167,19 @@ class ZeroOptimizer(Optimizer):
         if stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0, 1 or 2 (stage 3 is FSDP2 fully_shard), got {stage}")
         self.optimizer, self.stage, self.group = optimizer, stage, group
-        self.world = _world(group)
-        self.rank = dist.get_rank(group) if self.world > 1 else 0
-        self._gloo = self.world > 1 and _on_gloo(group)
+        self.backend = Backend(group)
+        self.world, self.rank = self.backend.world, self.backend.rank
         super().__init__(list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"])),
                          optimizer.defaults)
         # one set of hyperparameters: schedulers and the inner update read the same dicts
         self.param_groups, self.defaults, self.state = optimizer.param_groups, optimizer.defaults, optimizer.state
         self._reduced = self._freed = False
-        self._buckets: _Buckets | None = None
         self._gather: _Gather | None = None
-        if overlap and self.world > 1:
-            self._buckets = _Buckets(optimizer, stage, group, self.world, int(bucket_mb * 2**20))
-        if stage == 0:
-            return
-        # 1: reduce-scatter in place; kiln.optim sums LAMB/LARS norms over the shards with ours
-        optimizer.shard(self.rank, self.world, reducer(group), keep_full_grad=stage == 1)
+        if stage > 0:
+            # stage 1 reduces in place into its shard; kiln.optim sums LAMB/LARS norms over the
+            # shards with ours
+            optimizer.shard(self.rank, self.world, reducer(group), keep_full_grad=stage == 1)
+        self.reducer = GradReducer(optimizer, stage, self.backend, overlap=overlap, bucket_bytes=int(bucket_mb * 2**20))
         if stage == 2:
             self._grad_nbytes = [a.grad.untyped_storage().nbytes() for a in optimizer.arenas]
 
@@ -263,91 +192,39 @@ class ZeroOptimizer(Optimizer):
             self._free_grads()
 
     # -- gradients ----------------------------------------------------------------------------
-    @torch.no_grad()
     def _free_grads(self) -> None:
-        for arena, params in self.optimizer.packed_params():
-            for p in params:
-                p.grad = None
-            arena.grad.untyped_storage().resize_(0)
+        self.optimizer.packing.park_grads()
         self._freed = True
 
-    @torch.no_grad()
     def materialize_grads(self) -> None:
         """Stage 2: bring back the full flat gradients as zeros, ``p.grad`` views re-linked. Runs
         by itself at a backward's first gradient; call it before writing gradients by hand."""
-        if not self._freed:
-            return
-        for (arena, params), nbytes in zip(self.optimizer.packed_params(), self._grad_nbytes):
-            arena.grad.untyped_storage().resize_(nbytes)
-            _huge_pages(arena.grad)  # before the first touch
-            arena.grad.zero_()
-            for p, view in zip(params, arena.gviews):
-                if p.requires_grad:
-                    p.grad = view
-        self._freed = False
+        if self._freed:
+            self.optimizer.packing.unpark_grads(self._grad_nbytes, before_touch=_huge_pages)
+            self._freed = False
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average the gradients over ranks: ``all_reduce`` per arena (stage 0), or
-        ``reduce_scatter`` per arena into this rank's shard (stage 2 then frees the full
-        gradient). Once per step, after the last backward; later calls in the step do nothing."""
+        """Average the gradients over ranks (stage 0), or into this rank's shard (stages 1 and
+        2; stage 2 then frees the full gradient): the reducer's buckets, those not reduced
+        during backward launched now. Once per step, after the last backward; later calls in
+        the step do nothing."""
         if self._reduced:
             return
         self._reduced = True
-        if self._buckets is not None:
-            self._reduce_buckets()
-            return
-        if self.stage == 0:
-            all_reduce_gradients(self.optimizer, self.group)
-            return
-        self.materialize_grads()  # a step with no backward since the last one: zero gradients
-        full = self.optimizer.flat_grads()  # (after absorbing gradients placed outside the arena)
-        for g, shard in zip(full, self.optimizer.shards):
-            if self.world > 1 and not self._gloo:
-                _reduce_scatter(shard.grad, g, group=self.group)
-            else:  # (gloo: all-reduce, the shard's range kept: the sums of stage 0, bit for bit)
-                if self.world > 1:
-                    dist.all_reduce(g, group=self.group)
-                if shard.grad.data_ptr() != g[shard.lo:].data_ptr():
-                    shard.grad.copy_(g[shard.lo:shard.hi])
-            shard.grad.div_(self.world)
-        if self.stage == 2:
-            self._free_grads()
-
-    def _reduce_buckets(self) -> None:
-        """reduce_gradients with overlap: the buckets not reduced during backward, then the
-        divide (and the shard copy) as on the synchronous path."""
-        opt = self.optimizer
         if self.stage > 0:
             self.materialize_grads()  # a step with no backward since the last one: zero gradients
-        self._buckets.finish()
-        if self.stage == 0:
-            opt.union_received(lambda flags: _max_over_ranks(flags, opt, self.group))  # as all_reduce_gradients
-            for g in opt.flat_grads():
-                g.div_(self.world)
-            return
-        for arena, shard in zip(opt.arenas, opt.shards):  # this rank's sums sit in its shard's range
-            if shard.grad.data_ptr() != arena.grad[shard.lo:].data_ptr():
-                shard.grad.copy_(arena.grad[shard.lo:shard.hi])
-            shard.grad.div_(self.world)
+        self.reducer.reduce()
         if self.stage == 2:
             self._free_grads()
 
-    @contextlib.contextmanager
-    def sync_gradients(self, last: bool = True) -> Iterator[None]:
+    def sync_gradients(self, last: bool = True) -> contextlib.AbstractContextManager:
         """With ``overlap``: around the backward of a step's last micro-batch (``last=True``),
         reduce each gradient bucket as soon as backward completes it; with ``last=False``, or
         without ``overlap``, gradients only accumulate (``reduce_gradients`` reduces them). Every
         rank must make the same calls. Until ``reduce_gradients`` (or ``step``) the gradients
         are being communicated: leave them alone between the two."""
-        if not last or self._buckets is None:
-            yield
-            return
-        self._buckets.arm()
-        try:
-            yield
-        finally:
-            self._buckets.armed = False
+        return self.reducer.sync(last)
 
     def overlap_param_gather(self, module: torch.nn.Module, chunk_mb: float = 4.0) -> None:
         """Stages 1 and 2: leave the parameter exchange that ends each :meth:`step` running, and
@@ -400,8 +277,7 @@ class ZeroOptimizer(Optimizer):
         """One memset per arena; nothing while stage 2 has freed the full gradient (it comes
         back as zeros, and the next reduce-scatter overwrites the shard's)."""
         self._reduced = False
-        if self._buckets is not None:
-            self._buckets.drop()  # reductions launched and never waited for: they write no more
+        self.reducer.drop()  # reductions launched and never waited for: they write no more
         if not self._freed:
             self.optimizer.zero_grad(set_to_none)
 
@@ -418,13 +294,7 @@ class ZeroOptimizer(Optimizer):
         elif self.world > 1:
             with torch.no_grad():
                 for arena, shard in zip(self.optimizer.arenas, self.optimizer.shards):
-                    if self._gloo:  # each owner broadcasts its shard, all at once
-                        spans = [arena.shard(r, self.world) for r in range(self.world)]
-                        for h in [dist.broadcast(arena.param[lo:hi], group_src=r, group=self.group, async_op=True)
-                                  for r, (lo, hi) in enumerate(spans)]:
-                            h.wait()
-                    else:
-                        _all_gather(arena.param, shard.param, group=self.group)  # in place: shard is a slice
+                    self.backend.gather_shards(arena.param, shard.param)
         self._reduced = False
         return loss
 
@@ -457,7 +327,7 @@ class ZeroOptimizer(Optimizer):
                     st[name].view(-1)[slice(*pieces[k])] = piece
                 full.append(st[name])
         if self.world > 1:
-            _sum_over_ranks(full, self.group)  # pieces do not overlap: the sum is the gather
+            sum_over_ranks(full, self.backend)  # pieces do not overlap: the sum is the gather
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -468,176 +338,6 @@ class ZeroOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, world={self.world}, rank={self.rank}, {self.optimizer!r})"
-
-
-# -- gradient communication overlapped with backward ---------------------------------------------
-class _Buckets:
-    """The arenas' flat gradients cut into buckets, each reduced as soon as backward has
-    delivered its last gradient (the overlap of torch DDP and DeepSpeed, on kiln's arena).
-
-    A bucket is a contiguous element range of one arena's flat gradient (padding included: the
-    buckets tile every buffer), cut at parameter starts from the end of the buffer, where the
-    last layers sit, whose gradients come first, once it holds ``bucket_bytes``; under ZeRO
-    also at the shard boundaries, so that each bucket has one owner. Its collective runs in
-    place on the bucket's slice: ``all_reduce`` (stage 0, and every stage on gloo, whose reduce
-    costs more than its all-reduce: see ``_on_gloo``) or ``reduce`` to the owner (stages 1 and
-    2 elsewhere); the owner's shard range then holds the sums, as a reduce-scatter would. Sums
-    only: the divide by the world comes once, after the last bucket, as on the synchronous path.
-
-    Collectives must be issued in the same order on every rank, whatever order gradients come
-    in on each: a bucket is launched only after every bucket before it in ``order``. The order
-    starts as the buffers read backwards; after the first step that overlapped it becomes the
-    order in which rank 0's buckets completed (broadcast once, as DDP rebuilds its buckets
-    after the first iteration). A bucket whose gradients do not all arrive in the arena (a
-    parameter unused this step, a gradient autograd put elsewhere because ``p.grad`` was
-    replaced) is not launched during backward: :meth:`finish` absorbs such gradients into the
-    arena and then issues it, and every bucket after it, in the same order. Ranks thus differ
-    only in *when* a collective starts, never in which one or on what: the result is bitwise
-    that of reducing every bucket after backward, and with two ranks (a + b = b + a) that of
-    one collective per buffer.
-    """
-
-    def __init__(self, optimizer: ArenaOptimizer, stage: int, group: dist.ProcessGroup | None, world: int,
-                 bucket_bytes: int) -> None:
-        self.optimizer, self.stage, self.group = optimizer, stage, group
-        self.gloo = _on_gloo(group)
-        self.spans: list[tuple[int, int, int]] = []  # (arena, lo, hi) per bucket
-        self.views: list[torch.Tensor] = []  # each bucket's slice of its arena's flat gradient
-        self.owner: list[int] = []  # group rank receiving the bucket's sums (stages 1, 2)
-        self.need: list[int] = []  # gradients the bucket waits for
-        # per trainable parameter with elements: (arena, start offset, the buckets it overlaps)
-        self.slots: dict[int, tuple[int, int, tuple[int, ...]]] = {}
-        self.hooks: list[Any] = []
-        keys: list[tuple[float, int]] = []
-        for a, (arena, params) in enumerate(optimizer.packed_params()):
-            starts, n = arena.offsets.tolist(), arena.numel
-            cuts, acc = {0, n}, 0
-            for i in reversed(range(len(params))):
-                acc += arena.numels[i] * arena.dtype.itemsize
-                if acc >= bucket_bytes:
-                    cuts.add(starts[i])
-                    acc = 0
-            if stage > 0:
-                cuts.update(range(0, n, n // world))
-            edges = sorted(cuts)
-            first = len(self.spans)
-            for lo, hi in zip(edges[:-1], edges[1:]):
-                self.spans.append((a, lo, hi))
-                # (views of a ZeRO-2 gradient stay valid while its storage is freed and regrown)
-                self.views.append(arena.grad[lo:hi])
-                self.owner.append(lo // (n // world) if stage > 0 else -1)
-                self.need.append(0)
-                keys.append((-lo / n, a))  # the end of each buffer first
-            for i, p in enumerate(params):
-                if not p.requires_grad or arena.numels[i] == 0:
-                    continue
-                lo, hi = starts[i], starts[i] + arena.numels[i]
-                mine = tuple(b for b in range(first, len(self.spans))
-                             if self.spans[b][1] < hi and lo < self.spans[b][2])
-                for b in mine:
-                    self.need[b] += 1
-                self.slots[id(p)] = (a, lo, mine)
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._hook()))
-        self.order = sorted(range(len(self.spans)), key=keys.__getitem__)
-        self.learned = False  # order agreed from a step that overlapped
-        self.armed = self.overlapped = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.count = [0] * len(self.spans)
-        self.arrived: set[int] = set()
-        self.completed: list[int] = []  # buckets in the order their gradients completed
-        self.handles: list[Any] = []
-        self.next = 0  # order[:next] are launched
-
-    def _hook(self) -> Callable[[torch.Tensor], None]:
-        ref = weakref.ref(self)  # a dropped optimizer is not kept alive by its parameters' hooks
-
-        def hook(p: torch.Tensor) -> None:
-            buckets = ref()
-            if buckets is not None and buckets.armed:
-                buckets.arrive(p)
-
-        return hook
-
-    def arrive(self, p: torch.Tensor) -> None:
-        """A gradient accumulated during the armed backward: count it, launch what is ready."""
-        a, lo, mine = self.slots[id(p)]
-        if id(p) in self.arrived:
-            raise RuntimeError(
-                "kiln.parallel: a parameter received a second gradient inside sync_gradients(True), where its "
-                "bucket may already be communicated: run only the step's last backward inside it")
-        self.arrived.add(id(p))
-        grad = self.optimizer.arenas[a].grad
-        g = p.grad
-        if g is None or g.data_ptr() != grad.data_ptr() + lo * grad.element_size():
-            return  # outside the arena: its buckets wait for finish(), which absorbs it first
-        count, need = self.count, self.need
-        for b in mine:
-            count[b] += 1
-            if count[b] == need[b]:
-                self.completed.append(b)
-        order = self.order
-        while self.next < len(order) and count[order[self.next]] == need[order[self.next]]:
-            self._launch(order[self.next])
-            self.next += 1
-
-    def _launch(self, b: int) -> None:
-        if self.stage == 0 or self.gloo:  # (gloo: see _on_gloo; the owner's range gets the same sums)
-            handle = dist.all_reduce(self.views[b], group=self.group, async_op=True)  # sum; divided once, after
-        else:
-            handle = dist.reduce(self.views[b], group_dst=self.owner[b], group=self.group, async_op=True)
-        self.handles.append(handle)
-
-    def arm(self) -> None:
-        if self.handles:
-            raise RuntimeError("kiln.parallel: sync_gradients(True) twice in one step while the first backward's "
-                               "buckets are communicated: reduce_gradients() (or step()) comes between")
-        self._reset()
-        self.armed = self.overlapped = True
-
-    def drop(self) -> None:
-        """Wait for launched collectives (nothing may write into the gradients after this) and
-        forget the step."""
-        for h in self.handles:
-            h.wait()
-        self.armed = False
-        self._reset()
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Issue every bucket not launched yet, in order, and wait for all: the flat gradients
-        then hold the sums over the group (the owner's shard range, under ZeRO)."""
-        self.armed = False
-        launched = self.next
-        for h in self.handles:
-            h.wait()
-        arenas = self.optimizer.arenas
-        before = [a.grad._version for a in arenas]
-        self.optimizer.flat_grads()  # absorbs gradients placed outside the arena
-        if launched and [a.grad._version for a in arenas] != before:
-            raise RuntimeError(
-                "kiln.parallel: a gradient was assigned between the backward inside sync_gradients(True) and "
-                "reduce_gradients(), after its bucket was reduced: assign it before that backward")
-        for b in self.order[self.next:]:
-            self._launch(b)
-        for h in self.handles[launched:]:
-            h.wait()
-        if self.overlapped and not self.learned:
-            self._learn()
-        self.overlapped = False
-        self._reset()
-
-    def _learn(self) -> None:
-        """Adopt the order in which rank 0's buckets completed (ready ones first): a broadcast,
-        once, at the same place on every rank (the end of the first step that overlapped)."""
-        done = set(self.completed)
-        ready = [b for b in self.order if self.need[b] == 0]
-        order = ready + self.completed + [b for b in self.order if b not in done and self.need[b]]
-        device = self.optimizer.arenas[0].device if dist.get_backend(self.group) != "gloo" else "cpu"
-        t = torch.tensor(order, dtype=torch.int64, device=device)
-        dist.broadcast(t, group_src=0, group=self.group)
-        self.order, self.learned = t.tolist(), True
 
 
 # -- parameter exchange overlapped with the next forward -----------------------------------------
@@ -654,7 +354,7 @@ class _Gather:
     """
 
     def __init__(self, zero: ZeroOptimizer, module: torch.nn.Module, chunk_bytes: int) -> None:
-        self.group, self.rank = zero.group, zero.rank
+        self.backend, self.rank = zero.backend, zero.rank
         # Issue order: by the first parameter of ``module`` (registration order, about the order
         # of use) that a chunk holds; the optimizer's parameters outside ``module`` first (the
         # root waits for them), chunks of padding alone last. Arenas interleave: a layer's
@@ -724,7 +424,7 @@ class _Gather:
                     up = self.parent[up]
                 self.need[up] = max(self.need[up], need)
             self.called = None
-        self.handles = [dist.broadcast(t, group_src=r, group=self.group, async_op=True) for t, r in self.chunks]
+        self.handles = [self.backend.broadcast(t, r, async_op=True) for t, r in self.chunks]
         self.waited = 0
 
     def wait(self, upto: int | None = None) -> None:

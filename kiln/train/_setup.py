@@ -24,7 +24,7 @@ from kiln.config import save_config
 from kiln.errors import ConfigError
 from kiln.hardware import machine_line
 from kiln.hf import deferred_weights, load_inner_weights, load_weights, materialize, weights_source
-from kiln.parallel import Parallel, ZeroOptimizer, broadcast_parameters, init_distributed, parallelize
+from kiln.parallel import Parallel, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
 from kiln.train._build import (
@@ -223,11 +223,10 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         # backwards, nor bf16-true, whose gradients reach the masters only after backward.
         overlap = (cfg.parallel.overlap_grad_reduce and layout.pp == 1 and precision.masters is None
                    and getattr(optimizer, "contiguous", False))  # kiln's optimizer, on its arena
-        if dp > 1 and (cfg.parallel.zero in (1, 2) or (cfg.parallel.zero == 0 and overlap)):
-            # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
-            # contiguous shard of every arena; from here on only the wrapper is used (stage 0:
-            # the same wrapper, all-reducing, for the overlap).
-            optimizer = ZeroOptimizer(optimizer, cfg.parallel.zero, group=par.dp_group, overlap=overlap)
+        # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
+        # contiguous shard of every arena; from here on only the wrapper is used
+        optimizer = par.data_parallel(optimizer, overlap=overlap)
+        if dp > 1 and cfg.parallel.zero in (1, 2):
             if overlap and cfg.parallel.overlap_param_gather and not tc.compile:
                 # (compiled, the per-module waits would break the graphs; evaluation's forward
                 # and the checkpoint's reads wait too)

@@ -35,7 +35,6 @@ import torch
 
 from kiln._version import __version__
 from kiln.hf import export_checkpoint, is_hf_model
-from kiln.parallel import sync_gradients
 from kiln.train._batches import Step
 from kiln.train._build import build_model
 from kiln.train._checkpoint import Checkpoints, plain, save_checkpoint
@@ -147,13 +146,13 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
         else:
             with precision.autocast(), par.loss_context():
                 loss = micro_batch_loss(run.task, run.model, batch) / parts[i]
-                with sync_gradients(optimizer, last=i == len(step.micro) - 1):
+                with par.sync_gradients(last=i == len(step.micro) - 1):
                     precision.backward(loss)  # fp16: backward of the scaled loss
         loss_sum += par.value(loss)
     # 2. the true, reduced gradients; fp16 unscales after the reduction, so that every rank
     #    sees the same inf and skips the same step
     precision.grads_to_masters()  # bf16-true: bf16 gradients -> fp32 master gradients
-    par.reduce_gradients(optimizer)  # average over dp: all-reduce, or reduce-scatter (ZeRO-1/2); FSDP2 did it
+    par.reduce_gradients()  # average over dp: into every replica, or into each rank's shard (ZeRO-1/2)
     precision.unscale(optimizer)  # fp16: gradients / scale, non-finite check over all ranks
     # 3. clip, step, zero
     grad_norm = None
