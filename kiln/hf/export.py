@@ -16,8 +16,10 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from kiln.config import load_config
 from kiln.errors import CheckpointError
 from kiln.hf import describe, export_checkpoint
+from kiln.train import Checkpoints, build_model
 
 __all__ = ["export_run"]
 
@@ -31,9 +33,6 @@ def export_run(run_dir: Path | str, to: Path | str, *, step: int | None = None,
 
     CheckpointError: not a run directory, no checkpoint of that step (the message lists those
     there), a damaged checkpoint; ConfigError: the run's model is not a transformers one."""
-    from kiln.config import load_config
-    from kiln.train import Checkpoints, build_model
-
     run_dir, to = Path(run_dir), Path(to)
     if not (run_dir / "config.yaml").is_file():
         raise CheckpointError(f"{run_dir} is not a kiln run directory (no config.yaml in it)")
