@@ -1,4 +1,4 @@
-"""The ``kiln`` command: train | bench | plan | tune | report | export.
+"""The ``kiln`` command: train | bench | plan | tune | report | export | doctor.
 
 Errors in what the user typed (config, overrides, paths) print one clear line and exit with
 status 2, with no Python traceback; bugs still show their traceback.
@@ -25,6 +25,7 @@ examples:
   kiln report runs/A runs/B                             compare runs: curves and a summary table
   kiln export RUN_DIR --to hf DIR                       a run's model for Hugging Face from_pretrained
   kiln bench optimizer                                  measure kiln against plain PyTorch
+  kiln doctor                                           check this environment: devices, backends, extras
 """
 
 _TRAIN_HELP = """\
@@ -179,6 +180,22 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"),
                         help="FORMAT hf: the Hugging Face layout, written to DIR (new or empty)")
     export.set_defaults(func=_cmd_export)
+
+    doctor = sub.add_parser(
+        "doctor", help="check this environment: versions, devices, backends, compile, extras",
+        description="Check what kiln finds here, on one screen: kiln's and torch's versions and build (CPU or "
+        "CUDA), the CPU's vector units and cores, each GPU (name, memory, compute capability), what computes "
+        "natively (bf16, fp16, fp8) and what train.precision=auto chooses, the distributed backends that work "
+        "(gloo, nccl), whether torch.compile works (a tiny function, compiled and timed) and kiln's native "
+        "optimizer kernels build, and which optional packages are installed and import. Where something kiln "
+        "needs is broken it names the problem and the fix, and exits 1.\n\nexamples:\n  kiln doctor\n"
+        "  kiln doctor --json > env.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    doctor.add_argument("--no-compile", action="store_true",
+                        help="skip the torch.compile check (its first compile takes 2-20 s on CPU)")
+    doctor.set_defaults(func=_cmd_doctor)
     return parser
 
 
@@ -273,6 +290,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
                           "one: give another DIR, or remove it yourself")
     export_run(args.run_dir, out, step=args.step, say=lambda line: print(line, flush=True))
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from kiln.doctor import main as doctor
+
+    return doctor(as_json=args.json, compile=not args.no_compile)
 
 
 class _UsageError(Exception):

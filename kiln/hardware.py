@@ -92,9 +92,17 @@ def _cpu_capability() -> dict[str, Any]:
     }
 
 
+_FP8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+# the low-precision types of matrix units, by the names kiln doctor shows
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16, **({"fp8": _FP8[0]} if _FP8 else {})}
+
+
 def native_low_precision(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``device`` computes ``dtype`` (bf16 or fp16) matrix multiplies natively."""
+    """Whether ``device`` computes ``dtype`` (bf16, fp16, or an fp8 type) matrix multiplies natively."""
     device = torch.device(device)
+    if dtype in _FP8:
+        # fp8 tensor cores from Ada and Hopper on (sm_89); no CPU has fp8 matrix units torch uses
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if device.type == "cuda":
         if dtype == torch.bfloat16:
             # not including_emulation: before Ampere torch runs bf16, but emulated and slow
@@ -104,6 +112,30 @@ def native_low_precision(device: torch.device | str, dtype: torch.dtype) -> bool
         caps = cpu_capability()
         return caps["native_bf16"] if dtype == torch.bfloat16 else caps["native_fp16"]
     return dtype == torch.bfloat16  # other accelerators (mps, xpu): assume native
+
+
+def cpu_cores() -> dict[str, int]:
+    """``logical``: the machine's logical CPUs; ``usable``: those this process may run on
+    (a container's or ``taskset``'s limit); ``threads``: torch's intra-op threads."""
+    logical = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    return {"logical": logical, "usable": usable, "threads": torch.get_num_threads()}
+
+
+def gpus() -> list[dict[str, Any]]:
+    """Each visible CUDA device: index, name, memory (GiB), compute capability, and the
+    low-precision types its matrix units compute natively; empty where CUDA is not available."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append({
+            "index": i, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+            "native": {name: native_low_precision(f"cuda:{i}", dtype) for name, dtype in LOW_PRECISION.items()},
+        })
+    return out
 
 
 def machine_info() -> dict[str, Any]:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from kiln._environment import import_diagnosis
 from kiln.config._lazy import add_user_dir, file_module_name, locate, target_path
 from kiln.config._schema import NAMESPACES
 from kiln.config._types import ConfigError, coerce, coerce_dataclass, type_name
@@ -67,7 +68,9 @@ def _read_python(path: Path) -> dict[str, Any]:
         exec(compile(path.read_bytes(), str(path), "exec", dont_inherit=True), module.__dict__)
     except Exception as exc:  # the user's code: report it as a config problem, with its location
         sys.modules.pop(name, None)
-        raise ConfigError(f"error while running config file {path}: {type(exc).__name__}: {_first_line(exc)}") from exc
+        found = import_diagnosis(exc)  # an import in it failed for a reason outside kiln: name it
+        why = found if found is not None else f"{type(exc).__name__}: {_first_line(exc)}"
+        raise ConfigError(f"error while running config file {path}: {why}") from exc
     tree: dict[str, Any] = {}
     for key, value in vars(module).items():
         if key.startswith("_") or not isinstance(value, dict):
@@ -253,7 +256,8 @@ def _locate_target(target: Any, label: str) -> tuple[str, Any]:
     try:
         fn = locate(target)
     except ImportError as exc:
-        raise ConfigError(f"{label}={target!r} cannot be imported: {_first_line(exc)}") from exc
+        found = import_diagnosis(exc)
+        raise ConfigError(f"{label}={target!r} cannot be imported: {found or _first_line(exc)}") from exc
     if not callable(fn):
         raise ConfigError(f"{label}={target!r} is a {type(fn).__name__}, not a function or a class")
     return target, fn

@@ -22,10 +22,11 @@ multi-tensor (``torch._foreach_*``) kernels, for FSDP2 / DTensor parameters.
 from kiln.optim._arena import Arena, ArenaSlice, Piece, arena_layout
 from kiln.optim._base import ArenaOptimizer
 from kiln.optim._clip import clip_grad_norm_
+from kiln.optim._native import native_kernels_build
 from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 
 # optim.name -> class; what each takes and keeps is declared on the class (config_options, state_names)
 OPTIMIZERS = {cls.config_name: cls for cls in (AdamW, Adam, SGD, LAMB, LARS)}
 
 __all__ = ["Arena", "ArenaSlice", "Piece", "arena_layout", "ArenaOptimizer", "SGD", "Adam", "AdamW", "LAMB", "LARS",
-           "OPTIMIZERS", "clip_grad_norm_"]
+           "OPTIMIZERS", "clip_grad_norm_", "native_kernels_build"]

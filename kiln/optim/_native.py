@@ -215,11 +215,26 @@ def kernels(like: torch.Tensor, *names: str) -> tuple[Callable, ...] | None:
     return tuple(found)
 
 
+def native_kernels_build() -> str | None:
+    """Build (or find built) every native kernel for fp32 here; None where they all build, else
+    why the first one does not (``kiln doctor`` asks; the optimizers build on first use)."""
+    for name in _SOURCES:
+        try:
+            _build_or_raise(name, "float")
+        except Exception as e:  # noqa: BLE001  (reported, as _build warns)
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _build_or_raise(name: str, ctype: str) -> Callable:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(_ARGS[name](ctype), _SOURCES[name].format(T=ctype))
+
+
 def _build(name: str, ctype: str) -> Callable | None:
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        return CppPythonBindingsCodeCache.load_pybinding(_ARGS[name](ctype), _SOURCES[name].format(T=ctype))
+        return _build_or_raise(name, ctype)
     except Exception as e:  # no compiler, or an inductor without this entry point
         log.debug("native %s kernel build failed", name, exc_info=True)
         warnings.warn(f"kiln.optim: could not build the native {name} kernel for CPU "

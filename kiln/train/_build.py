@@ -39,9 +39,19 @@ def build_model(model_cfg: dict[str, Any]) -> nn.Module:
         from kiln.models import create_model
 
         return create_model(node.pop("name"), **node)
+    from kiln._environment import import_diagnosis
     from kiln.config import instantiate
+    from kiln.errors import ConfigError
 
-    return instantiate({"_target_": target, **node})
+    try:
+        return instantiate({"_target_": target, **node})
+    except Exception as exc:
+        # an import inside the model's code failed for a reason outside kiln (a torchvision
+        # built for another torch under transformers): the one line kiln doctor also gives
+        found = import_diagnosis(exc)
+        if found is None:
+            raise
+        raise ConfigError(f"building model._target_={target} failed: {found}") from exc
 
 
 def check_model(cfg: Any, model: nn.Module | None = None) -> None:
