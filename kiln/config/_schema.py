@@ -90,10 +90,17 @@ class TrainConfig:
     # largest ModuleList or Sequential of children of one type
     ac_blocks: Optional[str] = None
     compile: bool = False  # torch.compile the model (inductor C++ on CPU, Triton on GPU)
+    # measure the peak of live tensor memory over the first two steps (summary.json's
+    # peak_tensor_memory_mb: the CUDA allocator's, or on CPU the profiler's record of every
+    # allocation); false: not measured (null), no profiler
+    measure_memory: bool = True
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
     keep_checkpoints: int = 3  # periodic checkpoints kept (final.pt and best.pt always are)
-    loggers: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])  # csv always on
+    # csv (RUN_DIR/metrics.csv) is always on; tensorboard (RUN_DIR/tensorboard), wandb (WANDB_PROJECT,
+    # WANDB_MODE=offline), mlflow (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME): rank 0 logs the
+    # config, each metrics.csv row and summary.json; a resume continues the same logged run
+    loggers: list[Literal["csv", "tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["csv"])
     early_stopping: Optional[EarlyStoppingConfig] = None  # e.g. {metric: eval_accuracy, mode: max}
     # evaluate with autograd on, as a hand-written loop without torch.no_grad does (slower, more
     # memory); exists only so that `kiln bench pipeline` can measure what forgetting no_grad costs

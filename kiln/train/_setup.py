@@ -27,6 +27,7 @@ from kiln.hf import deferred_weights, load_inner_weights, load_weights, material
 from kiln.parallel import Parallel, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
+from kiln.train._memory import TensorMemory
 from kiln.train._build import (
     Data,
     build_data,
@@ -38,8 +39,9 @@ from kiln.train._build import (
     pick_device,
     seed_everything,
 )
-from kiln.train._callbacks import EarlyStopping, TensorBoardLogger
-from kiln.train._checkpoint import checkpoint_to_resume, load_into, set_rng_state
+from kiln.train._callbacks import EarlyStopping
+from kiln.train._checkpoint import checkpoint_to_resume, load_into, plain, set_rng_state
+from kiln.train._loggers import Loggers
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
 from kiln.train._run_dir import CONFIG, RunDir, RunLock
@@ -113,12 +115,13 @@ class Run:
     batches: Batches
     out: RunDir | NullRun  # the run directory (rank 0), or a stand-in that writes nothing
     progress: Progress
-    loggers: list[Any]
+    loggers: Loggers  # rank 0's TensorBoard, W&B, MLflow (train.loggers); none on other ranks
     best: EarlyStopping | None  # tracks the best evaluation, for checkpoints/best
     stopper: EarlyStopping | None  # the same object when early stopping is on
     meter: Meter
     total_steps: int
     start_step: int
+    memory: TensorMemory  # the peak of live tensor bytes over the first steps
     compile_seconds: float | None = None
     owns_group: bool = False  # setup started the process group: the run ends it
     last_train_loss: float = float("nan")
@@ -289,7 +292,9 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                           "samples_per_second", "peak_memory_mb", "wall_seconds",
                           *(f"eval_{m}" for m in task.metric_names())])
-        loggers = [TensorBoardLogger(out.path / "tensorboard")] if "tensorboard" in tc.loggers else []
+        # rank 0 alone logs; a resumed run continues the logged runs RUN_DIR/loggers.json names
+        loggers = Loggers.open(tc.loggers, out.path, plain(cfg), resumed=resumed is not None) if rank == 0 \
+            else Loggers()
         progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
         shown_layout = f", {world} processes ({layout})" if world > 1 else ""
         shown_precision = f"{precision.mode} ({precision.requested})" if precision.requested == "auto" else precision.mode
@@ -299,6 +304,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
                    task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                    out=out, progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
+                   memory=TensorMemory(device, (par.model, optimizer), enabled=tc.measure_memory),
                    total_steps=total_steps, start_step=start_step)
     except BaseException as exc:
         out.stopped(exc)

@@ -74,7 +74,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         for step in range(run.start_step + 1, run.total_steps + 1):
             started = time.perf_counter()
             lr = run.scheduler.get_last_lr()[0]  # the rate this step runs at (the scheduler steps in it)
-            loss, grad_norm = train_step(run, next(run.batches))
+            with run.memory.step():  # the first steps' peak of live tensor bytes
+                loss, grad_norm = train_step(run, next(run.batches))
             if tc.compile and step == run.start_step + 1:
                 # the compiling first step is reported apart: speed and the ETA start after it
                 run.compile_seconds = time.perf_counter() - started
@@ -110,13 +111,13 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         status = "interrupted" if stopped_by(exc) is not None else "failed"
         run.out.write_summary(status=status, error=f"{type(exc).__name__}: {exc}", failed_at_step=step,
                               traceback=traceback.format_exc(), wall_seconds=run.meter.wall_seconds())
+        run.loggers.summary(run.out.summary)
         raise
     finally:
         torch.set_num_threads(threads)
         run.progress.close()
         run.out.close()
-        for logger in run.loggers:
-            logger.close()
+        run.loggers.close(run.out.summary.get("status", "failed"))
         if run.owns_group:
             import torch.distributed as dist
 
@@ -199,8 +200,7 @@ def _log(run: Run, step: int, row: dict[str, Any]) -> None:
     row.update(step=step, epoch=round(run.batches.epochs_done, 4), peak_memory_mb=peak_memory_mb(run.device),
                wall_seconds=run.meter.wall_seconds())
     run.out.log_metrics(row)
-    for logger in run.loggers:
-        logger.log(step, row)
+    run.loggers.log(step, row)  # a logger that fails is dropped with a warning: the run goes on
     speed = row.get("samples_per_second")
     run.progress.update(step, epoch=run.batches.epoch, loss=row.get("train_loss"), lr=row.get("lr"),
                         **{"samples/s": None if speed is None else round(speed)},
@@ -238,7 +238,8 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
         status="completed", steps=step, epochs=round(run.batches.epochs_done, 4),
         final_train_loss=run.last_train_loss, eval=run.last_eval,
         samples_per_second=m.timed_samples / max(m.train_seconds, 1e-9),
-        peak_memory_mb=peak_memory_mb(run.device), wall_seconds=m.wall_seconds(),
+        peak_memory_mb=peak_memory_mb(run.device), peak_tensor_memory_mb=run.memory.peak_mb(run.world),
+        wall_seconds=m.wall_seconds(),
         processes=run.world, layout={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
         compile_seconds=run.compile_seconds, skipped_steps=scaler.skipped_steps if scaler else 0,
         stopped_early=bool(stopped),
@@ -250,6 +251,7 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
     if run.main:  # metrics.csv is flushed row by row: complete on disk
         plot_loss(run.out.path)
     run.out.write_summary(**summary)  # last: "completed" only once everything else is on disk
+    run.loggers.summary(run.out.summary)
     if run.world > 1:
         import torch.distributed as dist
 
