@@ -534,12 +534,10 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
                               + _suggest(stopping["metric"], allowed, "") + f" (choose from {', '.join(allowed)})")
         if stopping["patience"] < 1:
             raise ConfigError(f"train.early_stopping.patience={stopping['patience']} must be at least 1")
-    if "tensorboard" in train["loggers"]:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("train.loggers includes tensorboard, but the tensorboard package is not installed; "
-                              "pip install 'kiln[tensorboard]' or remove it from train.loggers")
+    for logger in dict.fromkeys(train["loggers"]):
+        if logger != "csv" and importlib.util.find_spec(logger) is None:  # (looked up, not imported)
+            raise ConfigError(f"train.loggers includes {logger}, but the {logger} package is not installed; "
+                              f"pip install 'kiln[{logger}]' or remove it from train.loggers")
     if train["precision"] == "auto":
         from kiln.hardware import bf16_override
 

@@ -1,6 +1,7 @@
 """The small pieces the loop calls at fixed points, in this order after each evaluation:
 
-1. loggers (``log``): csv always, TensorBoard when ``train.loggers`` names it;
+1. loggers (``Loggers.log``, kiln/train/_loggers.py): metrics.csv always, and TensorBoard,
+   Weights & Biases and MLflow where ``train.loggers`` names them;
 2. early stopping (``EarlyStopping.update``): records the best value and says when to stop;
 3. the best checkpoint is written when early stopping says the metric improved.
 
@@ -51,27 +52,3 @@ class EarlyStopping:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.best_step, self.bad_evals = state["best"], state["best_step"], state["bad_evals"]
-
-
-class TensorBoardLogger:
-    """Scalars to ``RUN_DIR/tensorboard`` (needs the optional ``tensorboard`` package)."""
-
-    def __init__(self, log_dir: Any):
-        from torch.utils.tensorboard import SummaryWriter  # imported only when asked for
-
-        self.writer = SummaryWriter(log_dir=str(log_dir))
-
-    def log(self, step: int, row: dict[str, Any]) -> None:
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and value is not None:
-                self.writer.add_scalar(key.replace("eval_", "eval/").replace("train_", "train/"), value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def tensorboard_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboard") is not None

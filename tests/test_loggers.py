@@ -1,0 +1,291 @@
+"""train.loggers: TensorBoard, Weights & Biases (offline) and MLflow (a local file: store) each
+get the config, every row of metrics.csv and the summary, read back here from what each wrote;
+a resumed run continues the same logged run; a logger that fails never stops training."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from kiln.cli import main
+from kiln.train import read_metrics
+from kiln.train import _loggers
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+# 6 steps, a row every 2, evaluations at 3 and 6: rows at 2, 3, 4, 6
+SHORT = ["train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.progress=none",
+         "train.precision=fp32", "model.hidden=[32]"]
+
+
+def _train(tmp_path: Path, *overrides: str) -> Path:
+    assert main(["train", MLP, f"train.output_dir={tmp_path / 'runs'}", *SHORT, *overrides]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    return run
+
+
+def _resume(run: Path, steps: int) -> None:
+    assert main(["train", "--resume", str(run), f"train.max_steps={steps}"]) == 0
+
+
+def _csv(run: Path) -> dict[int, dict[str, float]]:
+    """metrics.csv's numbers, by step (written to 6 significant digits: compare with rel=1e-5)."""
+    return {int(r["step"]): {k: float(v) for k, v in r.items() if k != "step" and v not in ("", None)}
+            for r in read_metrics(run)}
+
+
+def _same_rows(logged: dict[int, dict[str, float]], csv: dict[int, dict[str, float]]) -> None:
+    assert sorted(logged) == sorted(csv)
+    for step, row in csv.items():
+        assert logged[step] == pytest.approx(row, rel=1e-5), step
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+# ----------------------------------------------------------------------------- Weights & Biases
+
+
+def _wandb_records(path: Path):
+    """The records of an offline W&B run file (``run-ID.wandb``): LevelDB's log format, blocks of
+    32 KiB holding chunks (4-byte checksum, 2-byte length, 1-byte type) of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    pos, chunks = 7, b""  # after the file's header
+    while pos + 7 <= len(raw):
+        left = 32768 - pos % 32768
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        chunks += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+def _wandb_run(run_file: Path) -> dict:
+    """What one offline W&B run file holds: its id, config, history rows by step, and summary.
+    W&B's service writes the file after finish() returns: this waits for its exit record."""
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after 60 s"
+        time.sleep(0.05)
+    out = {"id": None, "config": {}, "history": {}, "summary": {}}
+
+    def items(entries) -> dict:  # W&B's own keys (_step, _runtime, _wandb) left out
+        named = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in entries}
+        return {k: v for k, v in named.items() if k and (k == "_step" or not k.startswith("_"))}
+
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["id"] = record.run.run_id
+            out["config"].update(items(record.run.config.update))
+        elif kind == "config":
+            out["config"].update(items(record.config.update))
+        elif kind == "history":
+            row = items(record.history.item)
+            out["history"][row.pop("_step")] = row
+        elif kind == "summary":
+            out["summary"].update(items(record.summary.update))
+    return out
+
+
+def test_wandb_offline_gets_config_metrics_and_summary_and_a_resume_continues_it(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "kiln-test")
+    run = _train(tmp_path, "train.loggers=[csv,wandb]")
+    (first,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = _wandb_run(first)
+    saved = json.loads((run / "loggers.json").read_text())["wandb"]
+    assert saved == {"id": logged["id"], "project": "kiln-test"}
+    assert logged["config"]["optim"]["lr"] == 0.003 and logged["config"]["train"]["max_steps"] == 6
+    csv = _csv(run)
+    assert sorted(csv) == [2, 3, 4, 6]
+    _same_rows(logged["history"], csv)
+    summary = _summary(run)
+    assert logged["summary"]["final_train_loss"] == summary["final_train_loss"]
+    assert logged["summary"]["eval"] == pytest.approx(summary["eval"]) and logged["summary"]["status"] == "completed"
+
+    _resume(run, 8)
+    runs = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2  # W&B keeps the resumed part apart on disk, under the same run id
+    again = _wandb_run(next(p for p in runs if p != first))
+    assert again["id"] == logged["id"] and json.loads((run / "loggers.json").read_text())["wandb"] == saved
+    assert sorted(again["history"]) == [8] and again["history"][8] == pytest.approx(_csv(run)[8], rel=1e-5)
+    assert again["config"]["train"]["max_steps"] == 8
+    assert again["summary"]["steps"] == 8
+
+
+# ----------------------------------------------------------------------------- MLflow
+
+
+def test_mlflow_file_store_gets_config_metrics_and_summary_and_a_resume_continues_it(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it to use a file: store
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kiln-test")
+    run = _train(tmp_path, "train.loggers=[csv,mlflow]")
+    saved = json.loads((run / "loggers.json").read_text())["mlflow"]
+    assert saved["tracking_uri"] == store
+    client = MlflowClient(tracking_uri=store)
+    logged = client.get_run(saved["run_id"])
+    assert logged.info.run_name == run.name and logged.info.status == "FINISHED"
+    assert client.get_experiment(logged.info.experiment_id).name == "kiln-test"
+    params = logged.data.params
+    assert params["optim.lr"] == "0.003" and params["train.max_steps"] == "6" and params["model.hidden"] == "[32]"
+
+    def history() -> dict[int, dict[str, float]]:
+        rows: dict[int, dict[str, float]] = {}
+        for key in client.get_run(saved["run_id"]).data.metrics:
+            for m in client.get_metric_history(saved["run_id"], key):
+                rows.setdefault(m.step, {})[key] = m.value
+        return rows
+
+    _same_rows(history(), _csv(run))
+    artifacts = Path(client.download_artifacts(saved["run_id"], "", str(tmp_path / "got")))
+    assert json.loads((artifacts / "summary.json").read_text()) == _summary(run)
+    assert (artifacts / "config.yaml").read_text() == (run / "config.yaml").read_text()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'elsewhere'}")  # the resume finds its store
+    _resume(run, 8)
+    assert json.loads((run / "loggers.json").read_text())["mlflow"] == saved
+    assert client.get_run(saved["run_id"]).info.status == "FINISHED"
+    _same_rows(history(), _csv(run))
+    assert max(_csv(run)) == 8
+    artifacts = Path(client.download_artifacts(saved["run_id"], "", str(tmp_path / "got-again")))
+    assert json.loads((artifacts / "summary.json").read_text())["steps"] == 8
+    assert "max_steps: 8" in (artifacts / "config.yaml").read_text()
+    assert not (tmp_path / "elsewhere").exists()
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_gets_the_metrics_config_and_summary(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _train(tmp_path, "train.loggers=[csv,tensorboard]")
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    csv = _csv(run)
+    loss = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert loss == pytest.approx({s: r["train_loss"] for s, r in csv.items() if "train_loss" in r}, rel=1e-5)
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [3, 6]
+    texts = {tag: events.Tensors(tag)[-1].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]
+             if tag.endswith("text_summary")}
+    assert '"lr": 0.003' in texts["config/text_summary"]
+    assert f'"final_train_loss": {_summary(run)["final_train_loss"]}' in texts["summary/text_summary"]
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+class _Flaky:
+    """A logger whose log() raises from its second call on."""
+
+    name = "tensorboard"
+    instances: list["_Flaky"] = []
+
+    def __init__(self, run_dir, config, saved):
+        self.calls, self.closed = 0, None
+        _Flaky.instances.append(self)
+
+    def saved(self):
+        return {}
+
+    def log(self, step, metrics):
+        self.calls += 1
+        if self.calls >= 2:
+            raise ConnectionError("tracking server went away")
+
+    def summary(self, summary):
+        raise AssertionError("a dropped logger gets nothing more")
+
+    def close(self, status):
+        self.closed = status
+
+
+def test_a_logger_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(_loggers.LOGGERS, "tensorboard", _Flaky)
+    _Flaky.instances.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = _train(tmp_path, "train.loggers=[csv,tensorboard]")
+    said = [str(w.message) for w in caught if issubclass(w.category, _loggers.LoggerWarning)]
+    assert said == ["kiln: the tensorboard logger failed (log): ConnectionError: tracking server went away; "
+                    "training goes on without it (metrics.csv keeps every row)"]
+    (flaky,) = _Flaky.instances
+    assert flaky.calls == 2 and flaky.closed == "failed"  # closed once dropped, never called again
+    assert _summary(run)["status"] == "completed" and sorted(_csv(run)) == [2, 3, 4, 6]
+
+
+def test_a_logger_that_cannot_start_warns_and_training_goes_on(tmp_path, monkeypatch):
+    class Refusing(_Flaky):
+        def __init__(self, *args):
+            raise PermissionError("api_key not configured (no-tty)")
+
+    monkeypatch.setitem(_loggers.LOGGERS, "tensorboard", Refusing)
+    with pytest.warns(_loggers.LoggerWarning, match=r"tensorboard logger could not start: PermissionError: api_key"):
+        run = _train(tmp_path, "train.loggers=[csv,tensorboard]")
+    assert _summary(run)["status"] == "completed" and not (run / "loggers.json").exists()
+
+
+def test_an_unknown_logger_is_refused_at_config_load_naming_the_valid_ones(tmp_path, capsys):
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.loggers=[csv,neptune]"]) == 2
+    assert "train.loggers[1]='neptune' is not allowed (expected one of 'csv', 'tensorboard', 'wandb', 'mlflow')" \
+        in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow", "tensorboard"])
+def test_a_logger_whose_package_is_missing_is_refused_at_config_load(tmp_path, capsys, monkeypatch, name):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == name else find_spec(n, *a))
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", f"train.loggers=[csv,{name}]"]) == 2
+    assert (f"train.loggers includes {name}, but the {name} package is not installed; pip install 'kiln[{name}]'"
+            in capsys.readouterr().err)
+
+
+def test_the_trainer_imports_no_logger_package_until_one_is_named():
+    code = ("import sys, kiln.train, kiln.train.loop; "
+            "print([m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_rank_0_logs_alone(tmp_path):
+    pytest.importorskip("wandb")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    subprocess.run([sys.executable, "-m", "kiln", "train", MLP, "--nproc", "2", f"train.output_dir={tmp_path}",
+                    *SHORT, "train.loggers=[csv,tensorboard,wandb]"], check=True, env=env, cwd=ROOT, timeout=300)
+    (run,) = tmp_path.iterdir()
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    (only,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    assert sorted(_wandb_run(only)["history"]) == [2, 3, 4, 6]
