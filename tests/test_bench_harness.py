@@ -17,6 +17,7 @@ from kiln.bench import BENCHMARKS, _harness as h, run_benchmark
 def _measure(quick: bool = False, *, scale: float = 1.0) -> h.Result:
     rows = [{"model": "gpt", "method": "torch", "ms": 2.0 * scale, "ratio": None},
             {"model": "gpt", "method": "kiln", "ms": 1.0 * scale, "ratio": 2.0},
+            {"model": "gpt", "method": "kiln2", "ms": 1.0 * scale, "ratio": 2.0},
             {"model": "bert", "method": "kiln", "ms": 3.0, "ratio": 1.5}]
     cols = [h.Col("model", "model", group=True), h.Col("method", "method"), h.Col("ms", "ms", ".2f"),
             h.Col("x torch", "ratio", ".2f")]
@@ -51,6 +52,7 @@ def test_table_aligns_numbers_right_words_left_and_prints_a_group_once():
     assert lines[1].split() == ["model", "method", "ms", "x", "torch"] and set(lines[2]) == {"-"}
     assert lines[3:] == ["gpt    torch   2.00        -",
                          "       kiln    1.00     2.00",
+                         "       kiln2   1.00     2.00",
                          "bert   kiln    3.00     1.50"]
 
 
@@ -95,3 +97,12 @@ def test_bench_hf_without_accelerate_is_refused_in_one_line(tmp_path, capsys, mo
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "accelerate" in err and "pip install 'kiln[bench]'" in err, err
     assert list(tmp_path.iterdir()) == []  # no work began: not even the output folder
+
+
+def test_no_benchmark_imports_matplotlib_before_it_draws():
+    import subprocess
+
+    code = ("import sys, importlib, kiln.bench as b; [importlib.import_module(m) for m, _ in b.BENCHMARKS.values()]; "
+            "print('matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

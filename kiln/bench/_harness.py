@@ -121,9 +121,11 @@ class Table:
         values = [[_get(r, c.key) for c in self.cols] for r in self.rows]
         cells = [["-" if v is None else format(v, c.fmt) for v, c in zip(row, self.cols)] for row in values]
         groups = [i for i, c in enumerate(self.cols) if c.group]
-        for above, row in zip([None, *cells], list(cells)):
-            if above is not None and all(above[i] == row[i] for i in groups):
-                row[:] = ["" if i in groups else cell for i, cell in enumerate(row)]
+        keys = [[row[i] for i in groups] for row in cells]
+        for above, key, row in zip([None, *keys], keys, cells):
+            if groups and key == above:  # the same model as the row above: left blank
+                for i in groups:
+                    row[i] = ""
         # numbers align right, words left
         right = [any(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in values)
                  for i in range(len(self.cols))]
@@ -272,10 +274,13 @@ def _draw(panels: list[Bars], path: Path, title: str) -> None:
 
 _DOCS_HEAD = """# Measured benchmarks
 
-Each section is the report of the latest full run of `kiln bench NAME` (not `--quick`), written
-by the run itself: the table, targets and notes as printed, with the machine it ran on and when.
-A new run replaces its own section and leaves the others. Ratios against the plain PyTorch way
-are taken within one process run; absolute times depend on the machine and its load.
+Each section below is the report of the latest full run of `kiln bench NAME` (not `--quick`),
+written by that run: its tables, targets and notes as printed, the machine they came from (CPU,
+vector units, whether bf16 is native, threads, torch) and when. A new run replaces its own
+section and leaves the others. Figures are ratios against the plain PyTorch way taken within
+one process run; absolute times depend on the machine and on what else ran on it (a note says
+so where the load average shows other work). What each benchmark measures, and how, is the
+docstring of its module, `kiln/bench/NAME.py` (with `_` for `-`).
 """
 
 

@@ -329,7 +329,7 @@ def measure(quick: bool = False) -> Result:
         lines += [{**model, "method": name, **m} for name, m in r["methods"].items()]
     get = lambda key: lambda line: line.get(key)  # noqa: E731 (the 1-process line has no comm)
     cols = [Col("model", "model", group=True), Col("params", "params", group=True),
-            Col("batch", "batch", group=True), Col("method", "method"), Col("samples/s", "samples_per_s", ".0f"),
+            Col("batch", "batch", group=True), Col("method", "method"), Col("samples/s", "samples_per_s", ".1f"),
             Col("vs DDP", get("vs_torch_ddp"), ".2f"), Col("effic.", get("efficiency"), ".2f"),
             Col("step ms", "step_ms", ".1f"), Col("comm ms", get("comm_ms_per_step"), ".1f"),
             Col("hidden", get("hidden_share"), ".0%"), Col("exposed ms", get("exposed_comm_ms_per_step"), ".1f")]
