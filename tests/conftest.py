@@ -44,3 +44,51 @@ def kill_9_at():
         return run_dir
 
     return run
+
+
+# ----------------------------------------------------------------------------- the device tier
+# Tests marked gpu (pytest -m gpu; tests/test_devices.py) run on every device present: CPU always,
+# CUDA where torch sees a GPU. Without CUDA every CUDA case skips with the reason below, and
+# pytest_runtest_makereport gives those skips this one place, so that pytest's -ra summary shows
+# them all as one line (SKIPPED [N] tests/conftest.py:L: no CUDA device here ...), never silently.
+
+NO_CUDA = (f"no CUDA device here (torch {torch.__version__}{', a CPU build' if torch.version.cuda is None else ''}): "
+           "the device tier's CUDA cases are skipped, its CPU cases ran")
+_NO_CUDA_AT = (__file__, sys._getframe().f_lineno - 2)  # NO_CUDA's file and line, as -ra shows them
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.skipped and isinstance(report.longrepr, tuple) and NO_CUDA in str(report.longrepr[2]):
+        report.longrepr = (*_NO_CUDA_AT, report.longrepr[2])
+
+
+def need_cuda(count: int = 1) -> None:
+    """Skip the test unless ``count`` CUDA devices are present."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} CUDA devices, {torch.cuda.device_count()} here")
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request) -> torch.device:
+    """Each device present: the test runs once on CPU and once on CUDA (skipped without one)."""
+    if request.param == "cuda":
+        need_cuda()
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    """A test of CUDA alone (a checkpoint moving between CUDA and CPU)."""
+    need_cuda()
+    return torch.device("cuda")
+
+
+@pytest.fixture
+def two_gpus() -> int:
+    """A test that needs two GPUs (NCCL data parallel, ZeRO, FSDP2)."""
+    need_cuda(2)
+    return 2

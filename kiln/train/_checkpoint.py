@@ -54,6 +54,8 @@ RESUMABLE_CHANGES = (
     "train.accumulate",
     # the layout: checkpoints are keyed by parameter name and reshard on load
     "parallel.", "data.workers", "data.persistent_workers", "data.prefetch_factor", "data.pin_memory",
+    # the device: a checkpoint's tensors load onto any (written on CUDA, resumed on CPU, or back)
+    "train.device",
 )
 
 _STEP_DIR = re.compile(r"step-(\d+)")
