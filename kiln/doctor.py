@@ -66,18 +66,18 @@ def collect(*, compile: bool = True) -> dict[str, Any]:
 def _bf16_override_checked(found: _Findings) -> Iterator[None]:
     """A ``KILN_BF16`` that kiln does not understand is a problem; the rest of the report is
     then what the CPU itself says (the variable is set aside while it is collected)."""
+    saved = None
     try:
         hardware.bf16_override()
-        yield
-        return
     except ValueError as exc:
         found.problems.append(Diagnosis(str(exc).split(": set it to")[0],
                                         "set KILN_BF16 to 'native' or 'emulated', or unset it"))
-    saved = os.environ.pop(hardware.BF16_OVERRIDE)
+        saved = os.environ.pop(hardware.BF16_OVERRIDE)
     try:
         yield
     finally:
-        os.environ[hardware.BF16_OVERRIDE] = saved
+        if saved is not None:
+            os.environ[hardware.BF16_OVERRIDE] = saved
 
 
 def _collect(found: _Findings, compile: bool) -> dict[str, Any]:

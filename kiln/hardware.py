@@ -105,8 +105,11 @@ def native_low_precision(device: torch.device | str, dtype: torch.dtype) -> bool
         return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if device.type == "cuda":
         if dtype == torch.bfloat16:
-            # not including_emulation: before Ampere torch runs bf16, but emulated and slow
-            return torch.cuda.is_bf16_supported(including_emulation=False)
+            if getattr(torch.version, "hip", None):
+                return torch.cuda.is_bf16_supported(including_emulation=False)
+            # bf16 tensor cores from Ampere on; before it torch runs bf16, but emulated and slow
+            # (this device's capability: is_bf16_supported asks about the current device only)
+            return torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.cuda.get_device_capability(device)[0] >= 7  # tensor cores from Volta on
     if device.type == "cpu":
         caps = cpu_capability()
