@@ -167,11 +167,11 @@ class Bars:
             colors = [self.color(r) for r in self.rows] if self.color else None
             bar(where, values, width, base if self.stacked else 0.0, label=name, color=colors)
             base = [b + v for b, v in zip(base, values)] if self.stacked else base
-        for (name, key), marker in zip(self.marks.items(), "_x+"):
+        for (name, key), color in zip(self.marks.items(), ("k", "r", "g")):
             points = [(x, _get(r, key)) for x, r in zip(at, self.rows) if _get(r, key) is not None]
             xs, ys = zip(*points) if points else ((), ())
-            ax.scatter(ys if self.horizontal else xs, xs if self.horizontal else ys, marker="|" if self.horizontal
-                       else marker, s=400, color="k" if marker == "_" else "r", zorder=3, label=name)
+            ax.scatter(ys if self.horizontal else xs, xs if self.horizontal else ys,
+                       marker="|" if self.horizontal else "_", s=600, color=color, zorder=3, label=name)
         for (name, value), style in zip(self.lines.items(), ("--", "-", ":")):
             (ax.axvline if self.horizontal else ax.axhline)(value, color="k", lw=0.8, ls=style, label=name)
         labels = [str(_get(r, self.x)) for r in self.rows]

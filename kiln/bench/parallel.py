@@ -165,7 +165,8 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
                       timing=True)
     del model
     params = list({id(p): p for p in par.model.parameters()}.values())
-    opt = kiln.optim.AdamW(params, lr=1e-4, weight_decay=0.01, contiguous=par.arena)
+    # as the trainer: the data-parallel reduction chosen by the layout (here: stage 0, after backward)
+    opt = par.data_parallel(kiln.optim.AdamW(params, lr=1e-4, weight_decay=0.01, contiguous=par.arena))
     pipe, where = par.pipeline, layout.coords(rank)
     gen = torch.Generator().manual_seed(1)  # the same global batch on every rank
     B, T, V = s["batch"], s["model"]["seq_len"], s["model"]["vocab_size"]
@@ -180,7 +181,7 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
         else:
             with par.loss_context():  # tp: the cross-entropy runs on vocabulary-sharded logits
                 _loss(_logits(par.model(ids)), targets).backward()
-        par.reduce_gradients(opt)
+        par.reduce_gradients()
         opt.step()
 
     clock.append(time.perf_counter())
