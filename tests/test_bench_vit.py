@@ -132,8 +132,9 @@ def test_torch_forloop_adamw_trains_under_ddp_and_fsdp(tmp_path):
             out = tmp_path / f"{impl}-{zero}"
             done = subprocess.run(
                 [sys.executable, "-m", "kiln", "train", str(CONFIG), "--nproc", "2", f"optim.impl={impl}",
-                 f"parallel.zero={zero}", "train.max_steps=6", "train.log_every=1", "train.progress=none",
-                 "train.threads=1", f"train.output_dir={out}", "optim.schedule=constant", "model.depth=1"],
+                 f"parallel.zero={zero}", "train.precision=fp32", "train.max_steps=6", "train.log_every=1",
+                 "train.progress=none", "train.threads=1", f"train.output_dir={out}", "optim.schedule=constant",
+                 "model.depth=1"],
                 capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stderr[-2000:]
             (run_dir,) = out.iterdir()

@@ -213,7 +213,8 @@ def _config(tmp_path: Path, source: Path) -> Path:
         model = L(kiln.hf.from_pretrained)(path={str(source)!r}, model_class="AutoModelForCausalLM")
         data = dict(name="text_lm", batch_size=8, args=dict(seq_len=16, num_samples=64, val_samples=16))
         optim = dict(lr=1e-2, schedule="constant")
-        train = dict(max_steps=4, log_every=1, eval_every=0, checkpoint_every=2, progress="none")
+        # fp32, not auto (bf16-mixed where bf16 is native): runs are compared in fp32 round-off
+        train = dict(max_steps=4, log_every=1, eval_every=0, checkpoint_every=2, progress="none", precision="fp32")
     '''))
     return config
 
@@ -386,7 +387,7 @@ def test_from_pretrained_inside_a_users_module_still_starts_from_the_directorys_
         model = L(Wrapped)(backbone=L(kiln.hf.from_pretrained)(path={str(source)!r}))
         data = dict(name="text_lm", batch_size=8, args=dict(seq_len=16, num_samples=64, val_samples=16))
         optim = dict(lr=1e-30, schedule="constant", weight_decay=0.0)
-        train = dict(max_steps=1, log_every=1, eval_every=0, progress="none")
+        train = dict(max_steps=1, log_every=1, eval_every=0, progress="none", precision="fp32")
     '''))
     assert main(["train", str(config), f"train.output_dir={tmp_path / 'runs'}"]) == 0
     final = load_checkpoint(_only_run(tmp_path / "runs") / "checkpoints" / "final")["model"]

@@ -29,9 +29,10 @@ def _summary(run: Path) -> dict:
 
 @pytest.mark.slow
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, kill_9_at):
-    # dropout on, so the torch RNG state matters; 23 batches per epoch, so the kill lands mid-epoch
+    # dropout on, so the torch RNG state matters; 23 batches per epoch, so the kill lands mid-epoch;
+    # fp32 in both runs (kill_9_at's, and not auto: bf16-mixed where bf16 is native)
     args = [VIT, "model.depth=1", "model.dropout=0.1", "train.max_steps=300", "train.checkpoint_every=20",
-            "train.log_every=10", "train.eval_every=50", "train.keep_checkpoints=2"]
+            "train.log_every=10", "train.eval_every=50", "train.keep_checkpoints=2", "train.precision=fp32"]
     whole_dir, killed_dir = tmp_path / "whole", tmp_path / "killed"
     assert main(["train", *args, f"train.output_dir={whole_dir}"]) == 0
 

@@ -92,7 +92,9 @@ def _only_run(folder: Path) -> Path:
 
 
 def _train(config: Path | str, out: Path, *overrides: str) -> Path:
-    assert main(["train", str(config), f"train.output_dir={out}", *overrides]) == 0
+    """``kiln train`` in fp32, the plain loops' precision, unless ``overrides`` name another
+    (the later override wins): train.precision=auto is bf16-mixed where bf16 is native."""
+    assert main(["train", str(config), "train.precision=fp32", f"train.output_dir={out}", *overrides]) == 0
     return _only_run(out)
 
 
@@ -231,8 +233,8 @@ def test_outside_models_train_under_every_acceleration(tmp_path, name):
     for zero, accumulate in ((2, 1), (3, 2)):  # 2 processes x 2 micro-batches: the same samples per step
         out = tmp_path / f"zero{zero}"
         proc = subprocess.run([sys.executable, "-m", "kiln", "train", str(config), "--nproc", "2",
-                               f"parallel.zero={zero}", f"train.accumulate={accumulate}", f"train.output_dir={out}",
-                               *base],
+                               "train.precision=fp32", f"parallel.zero={zero}", f"train.accumulate={accumulate}",
+                               f"train.output_dir={out}", *base],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         two = _loss_curve(_only_run(out))

@@ -29,7 +29,10 @@ def _summary(folder: Path) -> dict:
 
 
 def _train(tmp_path: Path, name: str, config: str, *args: str) -> dict:
-    out = _kiln("train", config, *args, f"train.output_dir={tmp_path / name}", "train.progress=none")
+    # fp32 unless args name another precision (the later override wins): train.precision=auto
+    # is bf16-mixed on a CPU with native bf16, and these runs are compared in fp32 round-off
+    out = _kiln("train", config, "train.precision=fp32", *args, f"train.output_dir={tmp_path / name}",
+                "train.progress=none")
     assert out.returncode == 0, out.stderr[-3000:]
     return _summary(tmp_path / name)
 

@@ -21,7 +21,9 @@ VIT = str(ROOT / "configs" / "digits_vit.py")
 
 def _train(tmp_path: Path, config: str = MLP, *overrides: str) -> Path:
     before = set(tmp_path.glob("*"))
-    code = main(["train", config, f"train.output_dir={tmp_path}", *overrides])
+    # fp32 unless overrides name another precision (the later override wins): the runs here are
+    # compared with each other, and train.precision=auto is bf16-mixed where bf16 is native
+    code = main(["train", config, "train.precision=fp32", f"train.output_dir={tmp_path}", *overrides])
     assert code == 0
     (run_dir,) = set(tmp_path.glob("*")) - before
     return run_dir
