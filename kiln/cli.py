@@ -130,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="output folder (default: bench_results/NAME)")
     bench.add_argument("--family", metavar="F[,F]", help="parallel only: model families to lay out, among gpt, "
                        "bert and llama (a Hugging Face Llama of the GPT's size); default gpt,bert")
+    bench.add_argument("--device", metavar="D", help="optimizer, encoder-layer, hf and ddp: run on D, cpu (default) "
+                       "or cuda (ddp: two GPUs); the JSON records the GPU")
     bench.set_defaults(func=_cmd_bench)
 
     plan = sub.add_parser(
@@ -194,7 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     doctor.add_argument("--no-compile", action="store_true",
-                        help="skip the torch.compile check (its first compile takes 2-20 s on CPU)")
+                        help="skip the torch.compile check (a first compile takes 2-20 s on a small CPU, and "
+                        "50 s was seen on a 16-core GPU machine)")
     doctor.set_defaults(func=_cmd_doctor)
     return parser
 
@@ -230,10 +233,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"{name:16s} {text}")
         return 0 if args.list else EXIT_USAGE
     try:
-        check_benchmark(args.name, family=args.family)
+        check_benchmark(args.name, family=args.family, device=args.device)
     except (KeyError, ValueError) as exc:
         raise _UsageError(exc.args[0]) from None
-    run_benchmark(args.name, args.out, quick=args.quick, family=args.family)
+    run_benchmark(args.name, args.out, quick=args.quick, family=args.family, device=args.device)
     return 0
 
 

@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import platform
+import sys
 import time
 from typing import Any, Iterator
 
@@ -313,6 +314,9 @@ def to_json(report: dict[str, Any]) -> str:
 
 def main(*, as_json: bool = False, compile: bool = True) -> int:
     """``kiln doctor``: print the report (text, or JSON with ``as_json``); 1 if it found a problem."""
+    if compile:  # the one slow check: say so while it runs (on stderr: --json's stdout stays JSON)
+        print("kiln doctor: checking torch.compile (a first compile can take a minute; --no-compile skips it)...",
+              file=sys.stderr, flush=True)
     report = collect(compile=compile)
     print(to_json(report) if as_json else render(report))
     return 1 if report["problems"] else 0

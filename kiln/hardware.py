@@ -155,8 +155,13 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
     }
     if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
         info["gpu_bf16"] = torch.cuda.is_bf16_supported(including_emulation=False)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["gpu_capability"] = f"{props.major}.{props.minor}"
+        info["cuda"] = torch.version.cuda
     return info
 
 
@@ -166,6 +171,7 @@ def machine_line(info: dict[str, Any] | None = None) -> str:
     bf16 = "native bf16" if info["native_bf16"] else "bf16 emulated"
     if info.get("bf16_overridden"):
         bf16 += f" by {BF16_OVERRIDE}"
-    gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
+    gpu = (f", {info.get('gpu_count', 1)} x GPU {info['gpu']} ({info.get('gpu_memory_gib', '?')} GiB, "
+           f"CUDA {info.get('cuda')})") if "gpu" in info else ""
     return (f"{info['cpu']} ({info['cpu_capability']}, {bf16}), {info['threads']} thread(s) of "
             f"{info['cpu_count']} cores, torch {info['torch']}{gpu}")

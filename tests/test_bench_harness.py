@@ -106,3 +106,47 @@ def test_no_benchmark_imports_matplotlib_before_it_draws():
             "print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _device_run(quick: bool = False, device: str = "cpu") -> h.Result:
+    return _measure(quick, scale=2.0 if device == "cuda" else 1.0)
+
+
+def test_a_run_on_a_gpu_is_a_docs_section_of_its_own_beside_the_cpus(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    on = h.benchmark("made-up", _device_run)
+    on(tmp_path / "cpu", docs=docs, device="cpu")
+    report = on(tmp_path / "gpu", docs=docs, device="cuda")
+    on(tmp_path / "cpu", docs=docs, device="cpu")  # replaces the CPU's section alone
+    text = docs.read_text()
+    assert text.count("## kiln bench made-up --device cuda\n") == 1 and text.count("## kiln bench made-up\n") == 1
+    assert "4.00" in text.split("## kiln bench made-up --device cuda")[1]  # the GPU's figures under its heading
+    assert (tmp_path / "gpu" / "made-up.txt").read_text().startswith("kiln bench made-up --device cuda: made up")
+    assert report["rows"][0]["ms"] == 4.0
+
+
+def test_device_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    import inspect
+
+    import torch
+
+    from kiln.bench import ON_DEVICE, check_benchmark, get_benchmark
+    from kiln.cli import main
+
+    # exactly the benchmarks whose measure takes a device say so
+    assert {n for n in BENCHMARKS if "device" in inspect.signature(get_benchmark(n)).parameters} == set(ON_DEVICE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, words in ((["optimizer", "--device", "cuda"], ("sees no CUDA device", "kiln doctor")),
+                        (["zero", "--device", "cuda"], ("takes no --device", "optimizer, encoder-layer, hf, ddp")),
+                        (["hf", "--device", "tpu0"], ("not a device torch knows",))):
+        assert main(["bench", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 GPUs and torch sees 1"):
+        check_benchmark("ddp", device="cuda")
+    assert check_benchmark("encoder-layer", device="cuda") == {"device": "cuda"}
+    assert check_benchmark("optimizer", device="cpu") == {"device": "cpu"}
+    assert list(tmp_path.iterdir()) == []  # no output folder was made

@@ -34,6 +34,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 # what a benchmark needs beyond kiln's own dependencies, and the extra that installs it
 NEEDS: dict[str, tuple[tuple[str, ...], str]] = {"hf": (("transformers", "accelerate"), "bench")}
+# the benchmarks that take --device (their measure(quick, device=...)), and how many devices
+# of that kind each needs
+ON_DEVICE: dict[str, int] = {"optimizer": 1, "encoder-layer": 1, "hf": 1, "ddp": 2}
 
 
 def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
@@ -47,10 +50,34 @@ def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
     return importlib.import_module(BENCHMARKS[name][0]).run
 
 
-def check_benchmark(name: str, family: str | None = None) -> dict[str, Any]:
+def check_device(device: str, count: int = 1) -> str:
+    """``device`` (``cpu``, ``cuda``) if torch can run ``count`` processes or streams of work
+    there; a ValueError that names what is missing and the fix otherwise."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device torch knows: use cpu or cuda") from None
+    if kind not in ("cpu", "cuda") or torch.device(device).index is not None:
+        raise ValueError(f"--device {device!r}: the benchmarks run on cpu or cuda (all of its devices "
+                         "they need, from cuda:0; choose others with CUDA_VISIBLE_DEVICES)")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU build"
+            raise ValueError(f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device here; "
+                             "run on a GPU machine with a CUDA build of torch (kiln doctor says what is missing)")
+        if torch.cuda.device_count() < count:
+            raise ValueError(f"--device cuda: this benchmark needs {count} GPUs and torch sees "
+                             f"{torch.cuda.device_count()} here")
+    return kind
+
+
+def check_benchmark(name: str, family: str | None = None, device: str | None = None) -> dict[str, Any]:
     """The options ``run`` of benchmark ``name`` takes besides ``quick``, checked: KeyError for
     an unknown name, ValueError for an option it does not take or a bad value. ``family``: the
-    model families of a benchmark that takes them (``parallel``)."""
+    model families of a benchmark that takes them (``parallel``); ``device``: where the
+    benchmarks of :data:`ON_DEVICE` run (default cpu)."""
     run = get_benchmark(name)
     modules, extra = NEEDS.get(name, ((), ""))
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
@@ -67,17 +94,22 @@ def check_benchmark(name: str, family: str | None = None) -> dict[str, Any]:
 
         check_family(family)
         options["family"] = family
+    if device is not None:
+        if name not in ON_DEVICE:
+            raise ValueError(f"kiln bench {name} takes no --device (only: {', '.join(ON_DEVICE)}); it runs on the CPU")
+        options["device"] = check_device(device, ON_DEVICE[name])
     return options
 
 
 def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False,
-                  family: str | None = None) -> dict[str, Any]:
+                  family: str | None = None, device: str | None = None) -> dict[str, Any]:
     """Run benchmark ``name`` into ``out_dir`` (default ``bench_results/NAME``); a bad name or
     option, or a missing package, is refused (:func:`check_benchmark`) before the folder is made.
-    A full run (not ``quick``) also writes its section of ``docs/benchmarks.md``."""
+    A full run (not ``quick``) also writes its section of ``docs/benchmarks.md`` (a section of
+    its own per device: ``kiln bench NAME --device cuda``)."""
     from kiln.bench._harness import DOCS
 
-    options = check_benchmark(name, family)
+    options = check_benchmark(name, family, device)
     out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
     docs = DOCS if not quick and DOCS.parent.is_dir() else None  # (no docs/ beside an installed kiln)
     return get_benchmark(name)(out, quick=quick, docs=docs, **options)

@@ -17,8 +17,10 @@ which owns everything else, written once here:
   section of ``docs/benchmarks.md``, replacing the one an earlier run wrote.
 
 Timing helpers for the benchmarks: :func:`time_ms` (median of repeats), :func:`interleaved`
-(the methods take turns, so that drifting load hits all alike), :func:`paired` (medians of
-ratios taken within one round), :func:`children_cpu_s`.
+(the methods take turns, so that drifting load hits all alike; each call timed to the end of
+its GPU work, :func:`sync`), :func:`paired` (medians of ratios taken within one round),
+:func:`children_cpu_s`. A benchmark that takes ``device`` (``kiln bench NAME --device cuda``)
+gets a section of its own in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -73,10 +75,19 @@ def interleaved(steps: dict[str, Callable[[], Any]], rounds: int, repeats: int |
             for _ in range(untimed):
                 step()
             for _ in range(repeats if isinstance(repeats, int) else repeats[name]):
+                sync()
                 t0 = time.perf_counter()
                 step()
+                sync()
                 times[name].append(time.perf_counter() - t0)
     return times
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work, where this process has used CUDA: a step that only
+    queues kernels would otherwise be timed as the launches alone."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def paired(runs: list[dict[str, Any]], refs: list[dict[str, Any]], key: str) -> tuple[float, list[float]]:
@@ -220,20 +231,24 @@ def benchmark(name: str, measure: Callable[..., Result]) -> Callable[..., dict[s
             options["out"] = out
         before, t0 = os.getloadavg(), time.perf_counter()
         result = measure(quick, **options)
-        return _publish(name, out, result, docs, load=(before, os.getloadavg()), seconds=time.perf_counter() - t0)
+        # a run on a GPU is its own section of the docs, beside the CPU's
+        section = name if options.get("device", "cpu") == "cpu" else f"{name} --device {options['device']}"
+        return _publish(name, out, result, docs, load=(before, os.getloadavg()), seconds=time.perf_counter() - t0,
+                        section=section)
 
     return run
 
 
 def _publish(name: str, out: Path, result: Result, docs: Path | None, load: tuple[tuple[float, ...], ...],
-             seconds: float) -> dict[str, Any]:
+             seconds: float, section: str | None = None) -> dict[str, Any]:
     machine = {**machine_info(), **({"threads": result.threads} if result.threads else {})}
     notes = [*result.notes, *_load_note(load, machine["cpu_count"] or 1, result.processes)]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     report = {"benchmark": name, **result.report, "targets": result.targets, "notes": notes, "machine": machine,
               "load_average": {"before": list(load[0]), "after": list(load[1])}, "seconds": seconds,
               "measured_at": when}
-    text = "\n\n".join([f"kiln bench {name}: {result.title}\nmachine: {machine_line(machine)}",
+    section = section or name
+    text = "\n\n".join([f"kiln bench {section}: {result.title}\nmachine: {machine_line(machine)}",
                         *(t.text() for t in result.tables),
                         "\n".join([*(f"target {k}: {t['value']:.3g} ({'at least' if t['higher_is_better'] else 'at most'}"
                                      f" {t['limit']:g}): {'met' if t['met'] else 'MISSED'}"
@@ -244,8 +259,8 @@ def _publish(name: str, out: Path, result: Result, docs: Path | None, load: tupl
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
     _draw(result.chart, out / f"{name}.png", f"kiln bench {name}: {result.title}\n{machine_line(machine)}")
     if docs is not None:
-        _write_docs(Path(docs), name, text, f"Measured {when} in {seconds / 60:.1f} minutes.")
-        print(f"(the report replaces the section 'kiln bench {name}' of {docs})")
+        _write_docs(Path(docs), section, text, f"Measured {when} in {seconds / 60:.1f} minutes.")
+        print(f"(the report replaces the section 'kiln bench {section}' of {docs})")
     return report
 
 
@@ -286,7 +301,7 @@ docstring of its module, `kiln/bench/NAME.py` (with `_` for `-`).
 
 def _write_docs(path: Path, name: str, text: str, when: str) -> None:
     old = path.read_text() if path.exists() else ""
-    sections = dict(re.findall(r"<!-- kiln bench (\S+) -->\n(.*?)<!-- /kiln bench \1 -->\n", old, re.S))
+    sections = dict(re.findall(r"<!-- kiln bench (.+?) -->\n(.*?)<!-- /kiln bench \1 -->\n", old, re.S))
     sections[name] = f"## kiln bench {name}\n\n{when}\n\n```text\n{text}\n```\n"
     body = "".join(f"\n<!-- kiln bench {n} -->\n{s}<!-- /kiln bench {n} -->\n" for n, s in sorted(sections.items()))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,11 @@ while the CPU and SMs compute. The JSON holds every round, the seconds per commu
 event name, the classes each method really ran and each method's losses (the methods train
 the same thing: the same losses to float32 rounding).
 
+``--device cuda`` runs the same methods on two GPUs over NCCL (rank r on GPU r; one CPU
+thread each), every step timed to the end of its kernels. There communication runs on the
+GPU's streams, which a CPU profile does not see: the comm, hidden and exposed columns are left
+empty, and samples/s, vs DDP and efficiency are measured as on the CPU.
+
     kiln bench ddp            # or: kiln bench ddp --quick
 """
 
@@ -136,19 +141,20 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V), (B*T,)
 
 
-def _setup(name: str, quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
+def _setup(name: str, quick: bool, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
     """Model (the same initial weights on every rank and for every method), the train
-    inputs/targets, and the loss."""
+    inputs/targets, and the loss, on ``device``."""
     from kiln.data import build_dataset
 
     torch.manual_seed(0)
-    model = build_model(name, quick)
+    model = build_model(name, quick).to(device)
     if name == "vit":
-        splits = build_dataset("digits", seed=0)
-        return model, *splits.train.tensors, nn.functional.cross_entropy
+        inputs, targets = build_dataset("digits", seed=0).train.tensors
+        return model, inputs.to(device), targets.to(device), nn.functional.cross_entropy
     cfg = model_config(name, quick)
     splits = build_dataset("synthetic_tokens", seed=0, seq_len=cfg["seq_len"], vocab_size=cfg["vocab"])
-    return model, *splits.train.tensors, _lm_loss
+    inputs, targets = splits.train.tensors
+    return model, inputs.to(device), targets.to(device), _lm_loss
 
 
 def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -157,7 +163,9 @@ def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimiz
     from kiln.parallel import ZeroOptimizer, broadcast_parameters
 
     if method == "torch_ddp":
-        ddp = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights itself
+        on_gpu = next(model.parameters()).is_cuda
+        # broadcasts rank 0's weights itself
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
         return ddp, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     opt = ko.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     broadcast_parameters(model)
@@ -179,26 +187,29 @@ def _classes(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 # -- one method on one rank -------------------------------------------------------------------------
-def _worker(rank: int, world: int, names: tuple[str, ...], methods: tuple[str, ...], quick: bool) -> dict[str, Any]:
+def _worker(rank: int, world: int, names: tuple[str, ...], methods: tuple[str, ...], quick: bool,
+            device: str = "cpu") -> dict[str, Any]:
     # one process group for every model and method: starting processes costs more than a quick run
     out: dict[str, Any] = {}
     for name in names:
         out[name] = {}
         for method in methods:
-            out[name][method] = _train(rank, world, name, method, quick)
+            out[name][method] = _train(rank, world, name, method, quick, device)
             gc.collect()  # the last method's model, gradients and state, before the next one is built
     return out
 
 
-def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[str, Any]:
+def _train(rank: int, world: int, name: str, method: str, quick: bool, device: str = "cpu") -> dict[str, Any]:
     import torch.distributed as dist
     from torch.profiler import record_function
 
+    from kiln.bench._harness import sync
     from kiln.bench._profile import profiled
     from kiln.parallel import all_reduce_gradients, sync_gradients
 
     warmup, steps, n_profiled = QUICK_STEPS if quick else STEPS[name]
-    model, inputs, targets, loss_fn = _setup(name, quick)
+    on = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    model, inputs, targets, loss_fn = _setup(name, quick, on)
     n_params = sum(p.numel() for p in model.parameters())
     net, opt = _wrap(method, model)
     global_batch = BATCH[name]
@@ -225,16 +236,18 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool) -> dict[s
     for i in range(warmup):
         step(i)
     done()
+    sync()  # (on a GPU: the queued kernels too)
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
     done()
+    sync()
     dist.barrier()  # the step ends when the slower rank is done
     wall = time.perf_counter() - t0
 
     comm = {}
-    if world > 1:
+    if world > 1 and device == "cpu":  # NCCL's work is on the GPU's streams, out of a CPU profile's sight
         with profiled() as prof:
             for i in range(warmup + steps, warmup + steps + n_profiled):
                 step(i)
@@ -267,17 +280,19 @@ def _comm(prof: Any, steps: int) -> dict[str, Any]:
 
 
 # -- rows, table, chart -------------------------------------------------------------------------------
-def _measure(names: tuple[str, ...], quick: bool, rounds: int) -> list[dict[str, Any]]:
+def _measure(names: tuple[str, ...], quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
     from kiln.parallel.testing import run_distributed
 
+    backend = "nccl" if device == "cuda" else "gloo"
     one: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     two: dict[str, dict[str, list[dict[str, Any]]]] = {name: {m: [] for m in METHODS} for name in names}
     for r in range(rounds):
         # alternate 1 and 2 processes, and rotate the methods, so drift on the machine hits all alike
-        for name, res in run_distributed(_worker, 1, names, (BASELINE,), quick, threads=1)[0].items():
+        for name, res in run_distributed(_worker, 1, names, (BASELINE,), quick, device, threads=1,
+                                         backend=backend)[0].items():
             one[name].append(_per_round(name, [res[BASELINE]]))
         order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
-        ranks = run_distributed(_worker, 2, names, order, quick, threads=1)
+        ranks = run_distributed(_worker, 2, names, order, quick, device, threads=1, backend=backend)
         for name in names:
             for m in METHODS:
                 two[name][m].append(_per_round(name, [rk[name][m] for rk in ranks]))
@@ -304,12 +319,14 @@ def _row(name: str, one: list[dict[str, Any]], two: dict[str, list[dict[str, Any
     base = median(r["samples_per_s"] for r in one)
     methods = {}
     for m, runs in two.items():
-        sps, comm, hidden, backward = (median(r[k] for r in runs) for k in
+        # (no comm figures on a GPU: see the module docstring)
+        sps, comm, hidden, backward = (median(r[k] for r in runs) if k in runs[0] else None for k in
                                        ("samples_per_s", "comm_ms_per_step", "hidden_share", "backward_ms_per_step"))
         methods[m] = {
             "samples_per_s": sps, "step_ms": batch / sps * 1e3,
             "speedup": sps / base, "efficiency": sps / (2 * base),
-            "comm_ms_per_step": comm, "hidden_share": hidden, "exposed_comm_ms_per_step": comm * (1 - hidden),
+            "comm_ms_per_step": comm, "hidden_share": hidden,
+            "exposed_comm_ms_per_step": None if comm is None else comm * (1 - hidden),
             "backward_ms_per_step": backward, "vs_torch_ddp": paired(runs, two["torch_ddp"], "samples_per_s")[0],
             "classes": runs[0]["classes"], "losses": runs[0]["losses"], "rounds": runs,
         }
@@ -319,9 +336,10 @@ def _row(name: str, one: list[dict[str, Any]], two: dict[str, list[dict[str, Any
             "rounds_1": one, "methods": methods, "zero2_vs_overlap": zero2, "zero2_vs_overlap_by_round": by_round}
 
 
-def measure(quick: bool = False) -> Result:
+def measure(quick: bool = False, device: str = "cpu") -> Result:
     rounds = QUICK_ROUNDS if quick else ROUNDS
-    rows = _measure(tuple(MODELS), quick, rounds)
+    rows = _measure(tuple(MODELS), quick, rounds, device)
+    where = "2 GPUs on NCCL" if device == "cuda" else "2 processes x 1 thread on gloo"
     lines = []  # the table's: a model's 1-process run, then its methods
     for r in rows:
         model = {"model": r["model"], "params": f"{r['n_params'] / 1e6:.2f}M", "batch": r["global_batch"]}
@@ -336,17 +354,18 @@ def measure(quick: bool = False) -> Result:
     notes = [f"{r['model']}: ZeRO-2 / stage 0 = {r['zero2_vs_overlap']:.2f} (goal >= 0.95)" for r in rows]
     chart = [Bars(f"{r['model']} ({r['n_params'] / 1e6:.1f} M params, batch {r['global_batch']})",
                   [{"method": m, **v} for m, v in r["methods"].items()], "method", {"samples/s": "samples_per_s"},
-                  "samples/s, 2 processes x 1 thread", color=lambda _: "C1",
+                  f"samples/s, {where}", color=lambda _: "C1",
                   lines={"perfect scaling of 1 process": 2 * r["samples_per_s_1"], "1 process": r["samples_per_s_1"]})
              for r in rows]
-    report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "backend": "gloo", "methods": list(METHODS),
+    report = {"setup": {"processes": [1, 2], "threads_per_process": 1, "device": device,
+                        "backend": "nccl" if device == "cuda" else "gloo", "methods": list(METHODS),
                         "baseline_1_process": BASELINE, "lr": LR, "weight_decay": WEIGHT_DECAY, "rounds": rounds,
                         "steps": {name: dict(zip(("warmup", "timed", "profiled"),
                                                  QUICK_STEPS if quick else STEPS[name])) for name in MODELS},
                         "batch": BATCH, "models": {name: model_config(name, quick) for name in MODELS}},
               "rows": rows}
-    return Result(report, [Table(lines, cols)], "data parallel, 2 processes x 1 thread on gloo, torch DDP against "
-                  "kiln", chart, notes=notes, threads=1, processes=2)
+    return Result(report, [Table(lines, cols)], f"data parallel, {where}, torch DDP against kiln", chart, notes=notes,
+                  threads=1, processes=2)
 
 
 run = benchmark("ddp", measure)

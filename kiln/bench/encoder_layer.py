@@ -30,6 +30,9 @@ dropout with p = 0.1 (to within 2**-17; see :func:`kiln.models.encoder.fast_drop
 halves the bytes that the matmuls and elementwise kernels move; compile fuses softmax,
 dropout, the activation and the residual adds into few loops.
 
+``--device cuda`` runs every variant on the GPU, as the article ran them on a V100 (bf16 where
+the GPU computes it natively, from Ampere on; each phase timed to the end of its kernels).
+
     python -m kiln bench encoder-layer        # or run(Path("out"), quick=True)
 """
 
@@ -44,9 +47,9 @@ import torch
 from torch import nn
 
 import kiln.optim
-from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, target
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, sync, target
 from kiln.compile import apply_compile, timed_first_call
-from kiln.hardware import machine_info
+from kiln.hardware import native_low_precision
 from kiln.models.encoder import EncoderLayer
 
 __all__ = ["run", "measure"]
@@ -71,16 +74,20 @@ class _Variant:
         self.first_step_s = 0.0
 
     def step(self, x: torch.Tensor, record: bool = True) -> None:
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        sync()  # (on a GPU each phase is timed to the end of its kernels)
         t0 = time.perf_counter()
         with ctx:
             y = self.run(x)  # (B, T, C)
         loss = y.float().square().mean()  # the loss in fp32 also under bf16 autocast
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sync()
         t3 = time.perf_counter()
         if record:
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
@@ -92,24 +99,25 @@ class _Variant:
         return {"label": self.label, "ms_per_step": ms, "first_step_seconds": self.first_step_s}
 
 
-def _build(quick: bool, notes: list[str]) -> list[_Variant]:
+def _build(quick: bool, notes: list[str], device: str = "cpu") -> list[_Variant]:
     torch.manual_seed(0)
     reference = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=DROPOUT, batch_first=True, norm_first=True)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference.to(device)
 
     def torch_layer() -> nn.TransformerEncoderLayer:
         layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=DROPOUT, batch_first=True, norm_first=True)
         layer.load_state_dict(state)
-        return layer
+        return layer.to(device)
 
     variants = [_Variant("a", "torch layer + torch Adam", reference, torch.optim.Adam(reference.parameters(), lr=LR))]
     layer = torch_layer()
     variants.append(_Variant("b", "torch layer + kiln Adam", layer, kiln.optim.Adam(layer.parameters(), lr=LR)))
 
     share = 1.0
-    if not machine_info()["native_bf16"]:
+    if not native_low_precision(device, torch.bfloat16):
         share = 0.25
-        notes.append("bf16 is emulated on this CPU: c and c-eager are timed over a quarter of the steps")
+        notes.append(f"bf16 is emulated on this {device.upper()}: c and c-eager are timed over a quarter of the steps")
     if quick:
         # A first compile takes 15-20 s on this CPU; the smoke run measures c and c-fp32 eagerly.
         notes.append("quick: c and c-fp32 are not compiled (compile takes 15-20 s); their numbers are of the "
@@ -125,11 +133,11 @@ def _build(quick: bool, notes: list[str]) -> list[_Variant]:
     return variants
 
 
-def measure(quick: bool = False) -> Result:
+def measure(quick: bool = False, device: str = "cpu") -> Result:
     """Time the variants, forward, backward and step apart, in interleaved rounds."""
     notes: list[str] = []
-    variants = _build(quick, notes)
-    x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1))  # (B, T, C)
+    variants = _build(quick, notes, device)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device)  # (B, T, C)
     warmup, steps, rounds = (1, 2, 1) if quick else (5, 60, 4)
     for v in variants:
         # The first step includes compilation for c; it is reported, not timed with the rest.
@@ -149,7 +157,7 @@ def measure(quick: bool = False) -> Result:
     best = max((n for n in results if n not in ("a", "b")), key=lambda n: results[n]["speedup_vs_a"]["total"])
     speedup = results[best]["speedup_vs_a"]["total"]
     targets["best_total_1.5x"] = target(speedup, 1.5, higher=True, variant=best, speedup=speedup)
-    if machine_info()["native_bf16"]:  # the claim made where bf16 is native
+    if native_low_precision(device, torch.bfloat16):  # the claim made where bf16 is native
         targets["c_total_2x"] = target(results["c"]["speedup_vs_a"]["total"], 2.0, higher=True)
     rows = [{"name": n, **r} for n, r in results.items()]
     cols = [Col("", "name"), Col("variant", "label"),
@@ -158,12 +166,15 @@ def measure(quick: bool = False) -> Result:
     notes.append(f"best variant: {best}, {speedup:.2f}x a per iteration; ms per step = seconds per 1000 steps")
     report = {"setup": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "dropout": DROPOUT, "batch": BATCH, "seq": SEQ,
                         "lr": LR, "steps": steps, "warmup": warmup, "quick": quick, "compiled": not quick,
-                        "threads": torch.get_num_threads(), "torch": torch.__version__},
+                        "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
+                        **({"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {})},
               "unit": "ms per step (= seconds per 1000 steps), median", "results": results}
     chart = [Bars(f"encoder layer {HIDDEN}/{FFN}/{HEADS}, batch {BATCH} x {SEQ}, dropout {DROPOUT}", rows, "name",
                   {phase: lambda r, p=phase: r["ms_per_step"][p] for phase in PHASES}, "seconds per 1000 steps",
                   stacked=True, horizontal=True)]
-    return Result(report, [Table(rows, cols)], "one pre-LN encoder layer, torch against kiln", chart, targets, notes)
+    where = "" if device == "cpu" else f" on the GPU ({torch.cuda.get_device_name(0)})"
+    return Result(report, [Table(rows, cols)], f"one pre-LN encoder layer, torch against kiln{where}", chart, targets,
+                  notes)
 
 
 run = benchmark("encoder-layer", measure)

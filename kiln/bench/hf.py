@@ -15,6 +15,9 @@ Speed is steady-state training samples/s: the first ``warmup`` steps (compilatio
 left out, as are evaluation and checkpointing. Both run one process with torch's default
 threads. Ratios are against the Trainer row.
 
+``--device cuda`` trains both on the GPU (the Trainer on its default CUDA device, kiln with
+``train.device=cuda``).
+
     kiln bench hf            # or --quick for a smoke run
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, sync
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "hf_gpt2_tiny.py"
@@ -59,7 +62,7 @@ class _Pairs(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _trainer_samples_per_s(steps: int, warmup: int) -> float:
+def _trainer_samples_per_s(steps: int, warmup: int, device: str = "cpu") -> float:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     model, data = _model_and_data()
@@ -67,33 +70,34 @@ def _trainer_samples_per_s(steps: int, warmup: int) -> float:
 
     class Clock(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            sync()
             times.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=LR,
-            lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.05, use_cpu=True,
+            lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.05, use_cpu=device == "cpu",
             report_to=[], save_strategy="no", logging_strategy="no", eval_strategy="no",
             dataloader_num_workers=0, disable_tqdm=True, seed=0)
         Trainer(model=model, args=args, train_dataset=_Pairs(data), callbacks=[Clock()]).train()
     return BATCH * (len(times) - warmup) / (times[-1] - times[warmup - 1])
 
 
-def _kiln_samples_per_s(steps: int, warmup: int, overrides: list[str]) -> float:
+def _kiln_samples_per_s(steps: int, warmup: int, overrides: list[str], device: str = "cpu") -> float:
     from kiln.config import load_config
     from kiln.train import read_metrics, train
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(CONFIG, [f"train.max_steps={steps}", f"train.log_every={warmup}", "train.eval_every=0",
                                    "optim.schedule=constant", f"optim.lr={LR}", "train.progress=none",
-                                   f"train.output_dir={out}", *overrides])
+                                   f"train.output_dir={out}", f"train.device={device}", *overrides])
         result = train(cfg, name="bench")
         rows = read_metrics(result.run_dir)
     # every log window after the first (which holds the warm-up and, with compile, compiling)
     return median(float(r["samples_per_second"]) for r in rows[1:])
 
 
-def measure(quick: bool = False) -> Result:
+def measure(quick: bool = False, device: str = "cpu") -> Result:
     """The Trainer, then kiln's rows, on the same model, data, batch and steps. (What it needs,
     transformers and accelerate, is checked before it starts: ``kiln.bench.check_benchmark``.)"""
     import transformers
@@ -104,24 +108,25 @@ def measure(quick: bool = False) -> Result:
                  "kiln bf16-mixed": ["train.precision=bf16-mixed"]}
     if quick:
         kiln_rows.pop("kiln compile")
-    rates = {"trainer": _trainer_samples_per_s(steps, warmup)}
+    rates = {"trainer": _trainer_samples_per_s(steps, warmup, device)}
     for name, overrides in kiln_rows.items():
-        rates[name] = _kiln_samples_per_s(steps, warmup, overrides)
+        rates[name] = _kiln_samples_per_s(steps, warmup, overrides, device)
     vs_trainer = {k: v / rates["trainer"] for k, v in rates.items()}
     best = max((k for k in rates if k.startswith("kiln")), key=rates.get)
     cpu = torch.backends.cpu.get_cpu_capability()
+    where = f"CPU {cpu}" if device == "cpu" else f"GPU {torch.cuda.get_device_name(0)}"
     report = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
-              "threads": torch.get_num_threads(), "cpu_capability": cpu,
+              "threads": torch.get_num_threads(), "cpu_capability": cpu, "device": device,
               "model": "GPT2LMHeadModel (configs/hf_gpt2_tiny.py)", "batch": BATCH, "steps": steps, "warmup": warmup,
               "samples_per_s": rates, "vs_trainer": vs_trainer, "kiln_best": best}
     rows = [{"run": k, "samples_per_s": v, "vs_trainer": vs_trainer[k], "best": "<- kiln's best" if k == best else ""}
             for k, v in rates.items()]
     cols = [Col("run", "run"), Col("samples/s", "samples_per_s", ".1f"), Col("x Trainer", "vs_trainer", ".2f"),
             Col("", "best")]
-    chart = [Bars(f"HF GPT-2 (tiny), batch {BATCH}, CPU {cpu}", rows, "run", {"x Trainer": "vs_trainer"},
+    chart = [Bars(f"HF GPT-2 (tiny), batch {BATCH}, {where}", rows, "run", {"x Trainer": "vs_trainer"},
                   "training samples/s, x transformers Trainer", lines={"Trainer": 1.0},
                   color=lambda r: "gray" if r["run"] == "trainer" else "tab:orange")]
-    title = (f"{report['model']}, batch {BATCH}, {steps} steps ({warmup} warm-up left out); transformers "
+    title = (f"{report['model']} on the {where}, batch {BATCH}, {steps} steps ({warmup} warm-up left out); transformers "
              f"{transformers.__version__}")
     return Result(report, [Table(rows, cols)], title, chart)
 

@@ -18,6 +18,11 @@ Layouts: 12 layers of width 128 (192 tensors, 2.4 M parameters) and 24 layers of
 (384 tensors, 76 M). Each layer has q, k, v, o (d x d) with biases, two LayerNorms, and an
 MLP d -> 4d -> d: 16 tensors, 12 d^2 + 13 d parameters.
 
+``--device cuda`` runs the same methods with parameters, gradients and state on the GPU (each
+call timed to the end of its kernels). There torch's fused AdamW is one multi-tensor launch
+over the list, and the goal is at least its speed; torch's fused kernel on one flat tensor is
+the limit.
+
     python -c "from kiln.bench import run_benchmark; run_benchmark('optimizer')"
 """
 
@@ -44,20 +49,20 @@ def _layer_shapes(width: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _make_params(layers: int, width: int, seed: int = 0) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
+def _make_params(layers: int, width: int, seed: int = 0, device: str = "cpu") -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)  # the same values on every device
     params = []
     for shape in _layer_shapes(width) * layers:
-        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
-        p.grad = torch.randn(shape, generator=g) * 1e-3
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device)
         params.append(p)
     return params
 
 
-def _copy_bandwidth(quick: bool) -> float:
+def _copy_bandwidth(quick: bool, device: str = "cpu") -> float:
     """GB/s of y.copy_(x) (bytes read + bytes written) on tensors far larger than the caches."""
     n = 2**22 if quick else 2**26  # 16 MiB / 256 MiB of fp32
-    x, y = torch.randn(n), torch.empty(n)
+    x, y = torch.randn(n, device=device), torch.empty(n, device=device)
     ms = time_ms(lambda: y.copy_(x), 2, 5 if quick else 10)
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
@@ -72,7 +77,7 @@ def _methods(notes: list[str]) -> dict[str, Callable[[list[torch.nn.Parameter]],
     def fused_flat(ps):
         flat_p = torch.cat([p.detach().reshape(-1) for p in ps])
         flat_g = torch.cat([p.grad.reshape(-1) for p in ps])
-        m, v, step = torch.zeros_like(flat_p), torch.zeros_like(flat_p), torch.zeros(())
+        m, v, step = torch.zeros_like(flat_p), torch.zeros_like(flat_p), torch.zeros((), device=flat_p.device)
 
         def run():
             step.add_(1)
@@ -126,7 +131,7 @@ _COMPILED = ("kiln_lamb", "kiln_lars")  # their first steps compile kernels
 
 
 def _time_layout(name: str, layers: int, width: int, methods: dict[str, Callable], bandwidth: float,
-                 quick: bool) -> dict[str, Any]:
+                 quick: bool, device: str = "cpu") -> dict[str, Any]:
     """Median step time of every method on one layout, and the ratios against torch's."""
     big = name == "large" and not quick
     warmup, repeats = (1, 3) if quick else ((2, 7) if big else (5, 40))
@@ -138,7 +143,7 @@ def _time_layout(name: str, layers: int, width: int, methods: dict[str, Callable
             # small: all optimizers alive at once, timed in interleaved rounds, one step each per
             # round (cold caches), then in bursts (hot; the first step of a burst pays for the
             # others' evictions and is not timed)
-            steps = {method: build(_make_params(layers, width)) for method, build in methods.items()}
+            steps = {method: build(_make_params(layers, width, device=device)) for method, build in methods.items()}
             for method, step in steps.items():
                 time_ms(step, warmup + (3 if method in _COMPILED else 0), 0)  # first calls compile
             ms = {m: 1e3 * median(t) for m, t in interleaved(steps, repeats).items()}
@@ -148,7 +153,8 @@ def _time_layout(name: str, layers: int, width: int, methods: dict[str, Callable
         else:  # large: 1.2 GB per optimizer, one at a time
             for method, build in methods.items():
                 if method not in _SMALL_ONLY:
-                    ms[method] = time_ms(build(_make_params(layers, width)), warmup + (method in _COMPILED), repeats)
+                    ms[method] = time_ms(build(_make_params(layers, width, device=device)),
+                                         warmup + (method in _COMPILED), repeats)
     return {
         "layers": layers, "width": width, "tensors": 16 * layers, "parameters": n_params, "ms": ms,
         **({"ms_hot": ms_hot} if ms_hot else {}),
@@ -158,15 +164,15 @@ def _time_layout(name: str, layers: int, width: int, methods: dict[str, Callable
     }
 
 
-def measure(quick: bool = False) -> Result:
+def measure(quick: bool = False, device: str = "cpu") -> Result:
     notes: list[str] = []
-    bandwidth = _copy_bandwidth(quick)
+    bandwidth = _copy_bandwidth(quick, device)
     methods = _methods(notes)
     with warnings.catch_warnings():
         # every method steps again and again on gradients set once, as benchmarks of torch.optim
         # do; kiln's optimizers warn (once each) that no new gradient arrived between steps
         warnings.filterwarnings("ignore", message=r"kiln.optim: step\(\) found no new gradient")
-        layouts = {name: _time_layout(name, layers, width, methods, bandwidth, quick)
+        layouts = {name: _time_layout(name, layers, width, methods, bandwidth, quick, device)
                    for name, (layers, width) in (QUICK_LAYOUTS if quick else LAYOUTS).items()}
     tables, chart = [], []
     for name, r in layouts.items():
@@ -182,10 +188,25 @@ def measure(quick: bool = False) -> Result:
                           {"ms": "ms"}, "ms per step (log)", horizontal=True, log=True,
                           lines={"AdamW bandwidth floor": r["adamw_bandwidth_floor_ms"]},
                           color=lambda row: "tab:orange" if row["method"].startswith("kiln") else "tab:blue"))
-    return Result({"torch_version": torch.__version__, "threads": torch.get_num_threads(),
+    where = "CPU" if device == "cpu" else f"GPU {torch.cuda.get_device_name(0)}"
+    return Result({"torch_version": torch.__version__, "threads": torch.get_num_threads(), "device": device,
                    "copy_bandwidth_gbps": bandwidth, "layouts": layouts},
-                  tables, f"optimizer step, ms (median); copy bandwidth {bandwidth:.1f} GB/s", chart,
-                  targets=_targets(layouts), notes=notes)
+                  tables, f"optimizer step on the {where}, ms (median); copy bandwidth {bandwidth:.1f} GB/s", chart,
+                  targets=_cuda_targets(layouts) if device == "cuda" else _targets(layouts), notes=notes)
+
+
+def _cuda_targets(layouts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """On a GPU: at least the speed of torch's fused AdamW (one multi-tensor launch), at most
+    1.1x its kernel on one flat tensor, and near the bandwidth floor on the large layout."""
+    t = {}
+    for name, lay in layouts.items():
+        ms = lay["ms"]
+        t[f"{name}: kiln AdamW <= 1.0x torch fused"] = target(ms["kiln_adamw"] / ms["torch_fused"], 1.0)
+        t[f"{name}: kiln AdamW <= 1.1x torch's fused kernel on one flat tensor"] = target(
+            ms["kiln_adamw"] / ms["torch_fused_one_flat_tensor"], 1.1)
+    t["large: kiln AdamW <= 1.2x bandwidth floor"] = target(
+        layouts["large"]["ms"]["kiln_adamw"] / layouts["large"]["adamw_bandwidth_floor_ms"], 1.2)
+    return t
 
 
 def _targets(layouts: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -155,7 +155,8 @@ class EncoderLayer(nn.Module):
 
     @classmethod
     def from_torch_layer(cls, layer: nn.TransformerEncoderLayer, **overrides) -> "EncoderLayer":
-        """A new :class:`EncoderLayer` with the sizes and weights of ``layer`` (``overrides`` go to the config)."""
+        """A new :class:`EncoderLayer` with the sizes and weights of ``layer``, on its device and in its
+        dtype (``overrides`` go to the config)."""
         cfg = EncoderLayerConfig(
             hidden=layer.linear1.in_features, ffn=layer.linear1.out_features, heads=layer.self_attn.num_heads,
             dropout=layer.dropout.p, batch_first=layer.self_attn.batch_first, norm_eps=layer.norm1.eps,
@@ -163,7 +164,8 @@ class EncoderLayer(nn.Module):
         for key, value in overrides.items():
             setattr(cfg, key, value)
         cfg.__post_init__()
-        new = cls(cfg)
+        weight = layer.linear1.weight
+        new = cls(cfg).to(weight.device, weight.dtype)  # where layer is, as layer is
         new.load_torch_layer(layer)
         return new
 

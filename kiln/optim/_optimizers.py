@@ -477,7 +477,7 @@ class LARS(ArenaOptimizer):
                 d[k] = dk
         norms = self._tensor_norms(P.ts + d)  # full-tensor norms over DTensor shards
         q = _rules.trust_ratio(norms[:len(ps)], norms[len(ps):], eta=group["eta"])
-        q = torch.where(torch.tensor(exclude), torch.ones_like(q), q)
+        q = torch.where(torch.tensor(exclude, device=q.device), torch.ones_like(q), q)
         step = _rules.heavy_ball(_rules.TensorList(torch._foreach_mul(d, list(q.unbind()))), B,
                                  momentum=group["momentum"], nesterov=group["nesterov"])
         _rules.apply(P, step, group["lr"])

@@ -26,8 +26,12 @@ __all__ = ["CHUNK", "MAX_ROW", "Segments", "block_sumsq", "column", "segment_nor
 
 MAX_ROW = 1 << 16  # elements per row at most: a row's sum is one vectorized fp32 reduction
 # Elements per chunk of a per-tensor-norm update: the direction of a chunk is computed and its
-# block norms taken while the chunk is still in cache (1 << 19 fp32 = 2 MiB per buffer).
+# block norms taken while the chunk is still in cache (1 << 19 fp32 = 2 MiB per buffer). A GPU
+# has no such cache to keep it in, and pays a launch per kernel per chunk: its chunks are long
+# (1 << 24 fp32 = 64 MiB), so that LARS on 76 M parameters is 5 chunks, not 145 (8.5 ms a
+# step on an H200 with CPU-sized chunks, against 1.4 ms for LAMB).
 CHUNK = 1 << 19
+GPU_CHUNK = 1 << 24
 
 
 class Segments(NamedTuple):
@@ -68,7 +72,7 @@ def segments(rng: FlatRange) -> Segments:
         pad = torch.cat([torch.arange(a + n, a + length) for a, n, length
                          in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), numels, lengths)])
         nb, dev = len(row_seg), arena.device
-        per = max(1, CHUNK // blk)
+        per = max(1, (CHUNK if dev.type == "cpu" else GPU_CHUNK) // blk)
         sq = torch.empty(2 * nb, dtype=norm_dtype(arena.dtype), device=dev)
         seg = rng.cache[key] = Segments(blk, rows.repeat(2).to(dev), row_seg.to(dev), valid.to(dev), pad.to(dev),
                                         sq, [(a, min(a + per, nb)) for a in range(0, nb, per)], max(lengths))

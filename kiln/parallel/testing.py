@@ -31,11 +31,13 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple,
-            threads: int, timeout_s: float) -> None:
+            threads: int, timeout_s: float, backend: str = "gloo") -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU a rank
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world, *args)
@@ -47,10 +49,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
-                    timeout_s: float = 120) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return
-    the list of their return values (by rank). ``fn`` and ``args`` must be picklable."""
+                    timeout_s: float = 120, backend: str = "gloo") -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes (``backend=
+    "nccl"``: NCCL, rank r on GPU r); return the list of their return values (by rank). ``fn``
+    and ``args`` must be picklable."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, timeout_s),
+        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, timeout_s, backend),
                  nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]

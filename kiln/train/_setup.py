@@ -282,12 +282,15 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
                 status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
                 kiln_version=__version__, torch_version=torch.__version__, device=str(device),
                 precision=precision.mode, machine=machine_line(), parameters=n_params, total_steps=total_steps,
+                **({"precision_auto": precision.auto.record()} if precision.auto is not None else {}),
             )
         elif rank == 0:
             broadcast_path(out.path)
             out.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
             save_config(cfg, out.path / CONFIG)  # may extend max_steps
-            out.write_summary(status="running", total_steps=total_steps, precision=precision.mode,
+            # train.device may change on resume (RESUMABLE_CHANGES): the summary names where it goes on
+            out.write_summary(status="running", total_steps=total_steps, precision=precision.mode, device=str(device),
+                              machine=machine_line(),
                               resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
         out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                           "samples_per_second", "peak_memory_mb", "wall_seconds",
