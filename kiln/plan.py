@@ -1,14 +1,37 @@
-"""``kiln plan CONFIG``: what a config will build, before spending any compute on it.
+"""``kiln plan CONFIG``: what a config will build, and the peak memory of each rank's training
+step, before spending any compute on it.
 
-The model is built on the ``meta`` device (shapes only, no memory), so planning a model far
-larger than this machine's memory is instant.
+The model is built on the ``meta`` device (shapes only, no memory) for its counts. The memory
+of a step is not computed from a formula: :func:`plan` runs kiln's own set-up
+(:func:`kiln.train._setup.lay_out`: activation checkpointing, pipeline stages, tensor parallel,
+FSDP2, the optimizer's arena, master weights, ZeRO) and two training steps
+(:func:`kiln.train.loop.train_step`) for each distinct rank of the ``dp x tp x pp`` layout, on
+fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no memory) with a fake process
+group (torch's ``fake`` backend: collectives do nothing). :class:`kiln._memtrace.StorageTracker`
+follows every storage and reports the second (steady) step's peak of live bytes by category;
+``torch.utils.flop_counter`` counts its FLOPs. What is predicted is the code that runs, so a
+feature is planned the day it lands, and the trace is a dry run: a layout, shape or config
+error at 64 ranks shows up here, on one CPU, in seconds.
+
+    >>> from kiln.config import load_config
+    >>> p = plan(load_config("configs/gpt_tiny.py", ["train.precision=fp32"]), world=2)
+    >>> p.fullest_rank, p.ranks[0].peak_bytes > p.ranks[0].parameters
+    (0, True)
+
+Ranks with the same pipeline stage hold the same shapes (data-parallel replicas and
+tensor-parallel shards are equal), so one rank per stage is traced and stands for the others.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+__all__ = ["CATEGORIES", "Plan", "RankPlan", "describe", "plan"]
 
 
 def _state_tensors(optim_cfg: Any) -> int:
@@ -119,3 +142,323 @@ def describe(cfg: Any, world: int | None = None) -> str:
     if world > 1:
         lines += _per_rank(model, cfg, world)
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the traced plan
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporary", "communication")
+
+
+@dataclass
+class RankPlan:
+    """One rank's step, in bytes: ``peak_bytes`` is the highest live tensor memory of a steady
+    step (the second), split into :data:`CATEGORIES` as it stands at that moment. The fp32
+    master weights of bf16-true count in ``optimizer_state`` (``fp32_masters`` says how
+    much); their fp32 gradient in ``gradients``. ``between_steps``: the bytes live between
+    steps, by category (the model states: parameters, gradients, optimizer state)."""
+
+    rank: int
+    coords: dict[str, int]
+    peak_bytes: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    temporary: int
+    communication: int
+    fp32_masters: int
+    between_steps: dict[str, int]
+    flops: int  # this rank's FLOPs in the step (recomputation under checkpointing included)
+    traced_as: int  # the rank whose trace this is (itself, or one of the same stage)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "peak_bytes": self.peak_bytes, **{c: getattr(self, c) for c in CATEGORIES},
+                "fp32_masters": self.fp32_masters, "between_steps": self.between_steps, "flops": self.flops,
+                "coords": self.coords, "traced_as": self.traced_as}
+
+
+@dataclass
+class Plan:
+    """Every rank's step (``ranks``, rank order) in one layout; see :func:`plan`."""
+
+    layout: Any
+    precision: str
+    ranks: list[RankPlan]
+    seconds: float  # the time the traces took
+
+    @property
+    def fullest_rank(self) -> int:
+        return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank)).rank
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def flops_per_step(self) -> int:
+        """FLOPs of one optimizer step over all ranks (what runs: recomputation included)."""
+        return sum(r.flops for r in self.ranks)
+
+    def as_json(self) -> dict[str, Any]:
+        layout = self.layout
+        return {"ranks": [r.as_json() for r in self.ranks], "fullest_rank": self.fullest_rank,
+                "peak_bytes": self.peak_bytes, "flops_per_step": self.flops_per_step,
+                "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}, "world": layout.world,
+                "precision": self.precision, "trace_seconds": round(self.seconds, 3)}
+
+
+def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | None = None) -> Plan:
+    """The peak memory of a steady training step of ``cfg`` (a validated config) on each of
+    ``world`` processes (default: the layout's dp x tp x pp), and its FLOPs, by tracing kiln's
+    own set-up and step on fake tensors (see the module's docstring). Allocates no model
+    memory; call it for many candidate configs in one process. ``device``: what the run
+    trains on (default: ``train.device``'s choice here). Raises ``ConfigError`` for a config
+    that kiln train would refuse, and the step's own error (a shape mismatch) as the run would
+    raise it. Needs no process group, and refuses to run inside one."""
+    import time
+
+    import torch.distributed as dist
+
+    from kiln.parallel import check_parallel_config
+
+    started = time.perf_counter()
+    pc = cfg.parallel
+    if world is None:
+        world = (pc.dp or 1) * pc.tp * pc.pp
+    layout = check_parallel_config(cfg, world)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        raise RuntimeError("kiln.plan.plan traces each rank with a fake process group: call it outside "
+                           "torch.distributed (before init_process_group), e.g. on rank 0 before training")
+    device = torch.device(device) if device is not None else _plan_device(cfg.train.device)
+    # one rank per pipeline stage, in stage order (the pipeline's shapes flow from stage to stage)
+    stage_ranks = {}
+    for rank in range(world):
+        stage_ranks.setdefault(layout.coords(rank)["pp"], rank)
+    mailbox: dict[Any, Any] = {}
+    traced: dict[int, tuple[RankPlan, str]] = {}
+    waiting = sorted(stage_ranks.values())
+    while waiting:  # an interleaved stage waits for the shapes of a later rank's stage
+        deferred = []
+        for rank in waiting:
+            try:
+                traced[rank] = _trace_rank(cfg, layout, rank, device, mailbox)
+            except _NeedsShapes:
+                deferred.append(rank)
+        if deferred == waiting:
+            raise RuntimeError(f"kiln plan: the pipeline stages of ranks {deferred} wait for each other's shapes")
+        waiting = deferred
+    ranks = []
+    for rank in range(world):
+        source, mode = traced[stage_ranks[layout.coords(rank)["pp"]]]
+        ranks.append(RankPlan(**{**source.__dict__, "rank": rank, "coords": layout.coords(rank),
+                                 "traced_as": source.rank}))
+    return Plan(layout=layout, precision=mode, ranks=ranks, seconds=time.perf_counter() - started)
+
+
+def _plan_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")  # fake CUDA tensors need no GPU
+    return torch.device(name if name != "auto" else "cpu")
+
+
+class _NeedsShapes(Exception):
+    """A pipeline stage's input shapes come from a stage not traced yet."""
+
+
+def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
+                mailbox: dict[Any, Any]) -> tuple[RankPlan, str]:
+    """Set up ``rank`` as kiln train would, on fake tensors with a fake process group, run two
+    steps, and read the second one's peak."""
+    import gc
+    import warnings
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kiln._memtrace import StorageTracker
+    from kiln.hf import deferred_weights, materialize, meta_parameters
+    from kiln.precision import Precision
+    from kiln.train._batches import Batches
+    from kiln.train._build import build_data, build_model, build_scheduler, build_task, check_model
+    from kiln.train._setup import Meter, _check_steps, _to, lay_out
+    from kiln.train._batches import steps_per_epoch
+    from kiln.train.loop import train_step
+
+    tc, world = cfg.train, layout.world
+    coords = layout.coords(rank)
+    if world > 1:
+        import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of c10d's ops)
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        with warnings.catch_warnings():
+            # kiln's arena guard reads data_ptr(), which a fake tensor answers with 0, warning
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+            precision = Precision(tc.precision, device)
+            data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
+                              rank=coords["dp"], world_size=layout.dp)
+            _check_steps(cfg, data, layout, steps_per_epoch(data.train, tc.accumulate))
+            step = next(Batches(data.train, tc.accumulate, cfg.data.batch_size))
+            with deferred_weights(), meta_parameters():  # parameters on meta: no memory, no init
+                model = build_model(cfg.model)
+            model = _to(model, device, precision.param_dtype)
+            check_model(cfg, model)
+            task = build_task(cfg, data, model)
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            tracker = StorageTracker(fake)
+            with fake, tracker, tracker.resizes():
+                materialize(model, device)
+                for module in model.modules():
+                    for name, buf in module._buffers.items():
+                        if buf is not None and not buf.is_meta:
+                            module._buffers[name] = fake.from_tensor(buf)
+                tracker.follow(list(model.parameters()), list(model.buffers()))
+            with fake, tracker, tracker.resizes():
+                par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
+            del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
+            with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox):
+                scheduler = build_scheduler(cfg.optim, optimizer, 2)
+                run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
+                               device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
+                par.model.train()
+                grads: set[int] = set()
+                hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.update(tracker.follow(p.grad)))
+                         for p in par.model.parameters() if p.requires_grad]
+                with tracker.saved_for_backward():
+                    tracker.follow(step.micro)
+                    train_step(run, step)  # the first step creates the optimizer state
+                    start = tracker.position()
+                    tracker.count_flops = True
+                    train_step(run, step)
+                    tracker.count_flops = False
+                    end = tracker.position()
+                for h in hooks:
+                    h.remove()
+                roles = _roles(tracker, par, optimizer, precision, step, grads)
+            peak, live = tracker.peak(start, end)
+            base = tracker.peak(start, start)[1]  # what is live as the step starts
+            result = RankPlan(
+                rank=rank, coords=coords, peak_bytes=peak, **_split(live, roles, tracker),
+                fp32_masters=sum(b for k, b in live.items() if k in roles["masters"]),
+                between_steps={c: v for c, v in _split(base, roles, tracker).items() if v},
+                flops=tracker.flops, traced_as=rank)
+            return result, precision.mode
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+            _forget_meshes()
+        gc.collect()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions: a ``DeviceMesh`` compares equal to the one
+    of the previous trace (same ranks, same names) although its process groups are gone, and a
+    cached output spec would hand the next trace that dead mesh."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+@dataclass
+class _StepRun:
+    """What :func:`kiln.train.loop.train_step` reads of a :class:`kiln.train._setup.Run`."""
+
+    cfg: Any
+    precision: Any
+    par: Any
+    optimizer: Any
+    layout: Any
+    device: torch.device
+    task: Any
+    model: Any
+    scheduler: Any
+    meter: Any
+
+
+def _roles(tracker: Any, par: Any, optimizer: Any, precision: Any, step: Any, grads: set[int]) -> dict[str, set[int]]:
+    """The storages of each category, by what holds them after the step (and what the step
+    marked: gradients as autograd produced them, saved activations, collective buffers)."""
+    follow = tracker.follow
+    model = par.model
+    inner = getattr(optimizer, "optimizer", None)
+    opts = [o for o in (optimizer, inner) if isinstance(o, torch.optim.Optimizer)]
+    params = set(follow(list(model.parameters()), list(model.buffers())))
+    masters = set()
+    if precision.masters is not None:
+        masters = set(follow([m.param for m, _ in precision.masters.pairs]))
+        grads = grads | set(follow([m.grad for m, _ in precision.masters.pairs]))
+    grads = grads | set(follow([p.grad for p in model.parameters() if p.grad is not None]))
+    state: set[int] = set(masters)
+    for opt in opts:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state.update(k for k in follow(p) if k not in params)  # (bf16-true: fp32 masters)
+                if p.grad is not None:
+                    grads.update(follow(p.grad))
+        for st in opt.state.values():
+            state.update(follow([v for v in st.values() if torch.is_tensor(v)]))
+        packing, sharding = getattr(opt, "packing", None), getattr(opt, "sharding", None)
+        for pack in [*(packing.packs if packing else []), *(sharding.packs if sharding else [])]:
+            grads.update(follow(pack.arena.grad))
+            state.update(follow(list(pack.state.values())))
+            if pack.scratch is not None:
+                state.update(follow(pack.scratch))
+    return {"parameters": params, "gradients": grads, "optimizer_state": state, "masters": masters,
+            "activations": tracker.marks["saved"] | set(follow(step.micro)),
+            "communication": tracker.marks["collective"]}
+
+
+def _split(live: dict[int, int], roles: dict[str, set[int]], tracker: Any) -> dict[str, int]:
+    """Bytes of the ``live`` storages (key -> bytes) by category; a storage in several takes
+    the first of: parameters, gradients, optimizer state, activations, communication."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    order = ("parameters", "gradients", "optimizer_state", "activations", "communication")
+    for key, nbytes in live.items():
+        out[next((c for c in order if key in roles[c]), "temporary")] += nbytes
+    return out
+
+
+@contextlib.contextmanager
+def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
+    """torch's pipeline stages learn each other's shapes by exchanging them (a vote, then
+    metadata sent stage to stage), which a fake process group cannot carry. In the dry run
+    every stage infers its shapes (DYNAMIC mode, as without a fake group), sends them into
+    ``mailbox`` and receives those of the stage before it from there, written when that
+    stage's rank was traced; the gradients a stage receives have its outputs' shapes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.pipelining import stage as stage_module
+    from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta
+
+    cls = stage_module.PipelineStage
+
+    def vote(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return torch.zeros(1, dtype=torch.int32)  # 0: every stage infers its shapes
+
+    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
+        mailbox[(self.stage_index, dst_stage)] = meta
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if (src_stage, self.stage_index) in mailbox:
+            return mailbox[(src_stage, self.stage_index)]
+        if src_stage > self.stage_index:  # the gradients of this stage's outputs
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+        raise _NeedsShapes(src_stage)
+
+    saved = {name: getattr(cls, name) for name in
+             ("_warmup_forward_vote", "_warmup_backward_result", "_send_meta", "_recv_meta")}
+    cls._warmup_forward_vote = cls._warmup_backward_result = vote
+    cls._send_meta, cls._recv_meta = send_meta, recv_meta
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)

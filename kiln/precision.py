@@ -186,6 +186,19 @@ class LossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``, tensor by tensor, for the floating tensors not in ``dtype`` yet
+    (``Module._apply`` would re-wrap every parameter, which kiln plan's fake tensors refuse)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+
+
 class MasterWeights:
     """bf16-true training: the model's parameters become bfloat16 copies packed into bf16
     arenas laid out exactly like the optimizer's float32 arenas, which stay the master weights.
@@ -227,7 +240,7 @@ class MasterWeights:
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) in replace:
                     module._parameters[name] = replace[id(p)]
-        model.to(dtype)  # frozen parameters and buffers; the bf16 parameters stay where they are
+        _cast_floating(model, dtype)  # frozen parameters and buffers; the bf16 parameters stay where they are
 
     def grads_to_master(self) -> None:
         materialize = getattr(self.stepper, "materialize_grads", None)

@@ -81,6 +81,8 @@ def resolve_layout(parallel: Any, world: int) -> Layout:
 def build_mesh(layout: Layout, device_type: str = "cpu") -> Any:
     """A 3-D ``DeviceMesh`` named :data:`MESH_DIMS` over all ranks (needs an initialised process
     group); take sub-meshes by name: ``mesh["tp"]``, ``mesh["dp"]``, ``mesh["pp"]``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    with unset_fake_temporarily():  # the mesh's rank table is real even in kiln plan's fake trace
+        return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)

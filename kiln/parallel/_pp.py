@@ -468,6 +468,10 @@ class Pipeline:
         inputs or targets reported on every rank (one 10-int all-reduce): a rank that raised
         alone would leave the others waiting in the schedule. Only the first stage sees the
         inputs, and the other ranks need the shape to size their receive buffers."""
+        if self.pp_size > 1 and dist.get_backend(self.pp_group) == "fake" and isinstance(inputs, torch.Tensor):
+            # kiln plan's dry run: a fake group carries no values, and every rank of the
+            # trainer passes the batch, so this rank's inputs give the shape
+            return tuple(inputs.shape)
         info = torch.zeros(10, dtype=torch.int64)  # [no inputs, no targets, ndim, *shape]
         if self.is_first:
             if not isinstance(inputs, torch.Tensor) or not 1 <= inputs.dim() <= 7:
@@ -560,6 +564,16 @@ def _groups(pp_group_or_mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup
     return mesh.get_group("pp"), mesh.get_group("dp") if "dp" in names else None
 
 
+def _to_device(stage: nn.Module, device: torch.device) -> nn.Module:
+    """``stage`` on ``device``; parameters still on meta (weights read once laid out) stay there,
+    without memory. A stage already there is left alone: kiln plan's fake tensors cannot be
+    re-wrapped by ``Module._apply``."""
+    tensors = [*stage.parameters(), *stage.buffers()]
+    if all(t.is_meta or t.device == device for t in tensors):
+        return stage
+    return stage._apply(lambda t: t if t.is_meta else t.to(device))
+
+
 def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: str, microbatches: int,
                    loss_fn: Callable[..., torch.Tensor], sizes: list[int] | None = None,
                    virtual_stages: int = 2, device: torch.device | str = "cpu",
@@ -600,8 +614,6 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
     _check_ties(model, ranges, pp_plan)
     device = torch.device(device)
     indices = list(range(rank, num_stages, pp))  # torch's loop order: stage s on pp rank s % pp
-    # parameters still on meta (weights read once laid out) stay there, without memory
-    stages = [cut_stage(model, ranges, i, plan=plan)._apply(lambda t: t if t.is_meta else t.to(device))
-              for i in indices]
+    stages = [_to_device(cut_stage(model, ranges, i, plan=plan), device) for i in indices]
     return Pipeline(stages, indices, num_stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
                     pp_group=pp_group, dp_group=dp_group, device=device, timing=timing, call=pp_plan.call)

@@ -9,6 +9,7 @@ directory is created or reopened, so a bad run leaves no half-made directory beh
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import resource
 import time
@@ -177,9 +178,8 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
 
     # ---- build everything before touching the disk --------------------------------------
-    # train.precision=auto resolves here, once, for this device: bf16-mixed where bf16 is
-    # native, else fp32 (precision.mode; summary.json records it). An explicit bf16/fp16 mode
-    # on hardware that emulates it warns, once.
+    # An explicit bf16/fp16 mode on hardware that emulates it warns, once. train.precision=auto
+    # is fp32 or bf16-mixed, which build everything alike: settled below, once the model exists.
     precision = Precision(tc.precision, device)
     # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
     data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
@@ -195,46 +195,15 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     check_model(cfg, model)
     task = build_task(cfg, data, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
-    if tc.activation_checkpointing != "none":
-        from kiln.memory import apply_ac
-
-        apply_ac(model, tc.activation_checkpointing, every=tc.ac_every, blocks=tc.ac_blocks)
-    # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; par.model
-    # is this rank's part, under the whole model's parameter names. The pipeline schedule
-    # calls the loss itself, once per micro-batch: divided by K, as train_step divides it.
-    par = parallelize(model, layout, zero=cfg.parallel.zero, sequence_parallel=cfg.parallel.sequence_parallel,
-                      pp_schedule=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches,
-                      pp_stages=cfg.parallel.pp_stages, device=device,
-                      loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
-    # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
-    # (there is no one flat arena to slice).
-    if weights is not None and resumed is None:
-        # each rank reads from the safetensors files only the part of each tensor it holds
-        load_weights(par.model, weights, device=device)
-    elif weights is not None:
-        materialize(par.model, device)  # the checkpoint fills it, below
-    optimizer = build_optimizer(cfg.optim, par.model, contiguous=None if par.arena else False)
-    precision.attach(par.model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
-    if world > 1:
-        if par.arena and dp > 1:  # (FSDP2 and TP kept each rank's part of identical, same-seed weights)
-            broadcast_parameters(optimizer, group=par.dp_group)  # replica 0's weights in every replica
-        # each replica and stage its own dropout masks; the tp ranks of one replica the same
-        # ones, as they hold the same activations
-        torch.manual_seed(tc.seed + coords["dp"] + dp * coords["pp"])
-        # Gradient buckets reduced during the last micro-batch's backward (train_step's
-        # sync_gradients), not after it: not under a pipeline, whose schedule runs many
-        # backwards, nor bf16-true, whose gradients reach the masters only after backward.
-        overlap = (cfg.parallel.overlap_grad_reduce and layout.pp == 1 and precision.masters is None
-                   and getattr(optimizer, "contiguous", False))  # kiln's optimizer, on its arena
-        # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
-        # contiguous shard of every arena; from here on only the wrapper is used
-        optimizer = par.data_parallel(optimizer, overlap=overlap)
-        if dp > 1 and cfg.parallel.zero in (1, 2):
-            if overlap and cfg.parallel.overlap_param_gather and not tc.compile:
-                # (compiled, the per-module waits would break the graphs; evaluation's forward
-                # and the checkpoint's reads wait too)
-                optimizer.overlap_param_gather(par.model)
-            precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
+    if precision.requested == "auto":
+        # fp32 or bf16-mixed, whichever trains this model faster here (kiln/_auto_precision.py):
+        # timed on rank 0 before the model is laid out (its passes then need no collective);
+        # config.yaml records the choice, so a rerun from it does not measure
+        precision.settle(_auto_precision(cfg, resumed, model, task, data, layout, device, rank, world))
+        cfg = copy.deepcopy(cfg)  # (not the caller's)
+        cfg.train.precision = precision.mode
+    par, optimizer = lay_out(cfg, model, layout, coords, device, precision, weights=weights,
+                             resuming=resumed is not None)
     model = par.model
     if tc.compile:
         from kiln.compile import apply_compile
@@ -300,7 +269,9 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
             else Loggers()
         progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
         shown_layout = f", {world} processes ({layout})" if world > 1 else ""
-        shown_precision = f"{precision.mode} ({precision.requested})" if precision.requested == "auto" else precision.mode
+        shown_precision = f"{precision.mode} (auto)" if precision.auto is not None else precision.mode
+        if precision.auto is not None:
+            progress.message(f"kiln: {precision.auto.line()}")
         progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, {shown_precision}, "
                          f"steps {start_step + 1}..{total_steps} -> {out.path}")
         meter.window_start = time.perf_counter()
@@ -312,6 +283,121 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     except BaseException as exc:
         out.stopped(exc)
         raise
+
+
+def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], device: torch.device,
+            precision: Precision, *, weights: str | None = None, resuming: bool = False) -> tuple[Parallel, Any]:
+    """This rank's part of ``model`` and the optimizer that steps it, as the config lays them
+    out: activation checkpointing, pipeline stages, tensor parallel, FSDP2, the weights read
+    from ``weights`` (a Hugging Face directory; not when ``resuming``: the checkpoint fills
+    them), kiln's optimizer, precision's master weights and the data-parallel side (ZeRO-1/2 or
+    the gradient reducer). What :func:`setup` runs, and what ``kiln plan`` traces on fake
+    tensors. Returns ``(par, optimizer)``: the optimizer the step uses (ZeRO's wrapper)."""
+    tc, dp, world = cfg.train, layout.dp, layout.world
+    if tc.activation_checkpointing != "none":
+        from kiln.memory import apply_ac
+
+        apply_ac(model, tc.activation_checkpointing, every=tc.ac_every, blocks=tc.ac_blocks)
+    # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; par.model
+    # is this rank's part, under the whole model's parameter names. The pipeline schedule
+    # calls the loss itself, once per micro-batch: divided by K, as train_step divides it.
+    par = parallelize(model, layout, zero=cfg.parallel.zero, sequence_parallel=cfg.parallel.sequence_parallel,
+                      pp_schedule=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches,
+                      pp_stages=cfg.parallel.pp_stages, device=device,
+                      loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
+    # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
+    # (there is no one flat arena to slice).
+    if weights is not None and not resuming:
+        # each rank reads from the safetensors files only the part of each tensor it holds
+        load_weights(par.model, weights, device=device)
+    elif weights is not None:
+        materialize(par.model, device)  # the checkpoint fills it, below
+    optimizer = build_optimizer(cfg.optim, par.model, contiguous=None if par.arena else False)
+    precision.attach(par.model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
+    if world > 1:
+        if par.arena and dp > 1:  # (FSDP2 and TP kept each rank's part of identical, same-seed weights)
+            broadcast_parameters(optimizer, group=par.dp_group)  # replica 0's weights in every replica
+        # each replica and stage its own dropout masks; the tp ranks of one replica the same
+        # ones, as they hold the same activations
+        torch.manual_seed(tc.seed + coords["dp"] + dp * coords["pp"])
+        # Gradient buckets reduced during the last micro-batch's backward (train_step's
+        # sync_gradients), not after it: not under a pipeline, whose schedule runs many
+        # backwards, nor bf16-true, whose gradients reach the masters only after backward.
+        overlap = (cfg.parallel.overlap_grad_reduce and layout.pp == 1 and precision.masters is None
+                   and getattr(optimizer, "contiguous", False))  # kiln's optimizer, on its arena
+        # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
+        # contiguous shard of every arena; from here on only the wrapper is used
+        optimizer = par.data_parallel(optimizer, overlap=overlap)
+        if dp > 1 and cfg.parallel.zero in (1, 2):
+            if overlap and cfg.parallel.overlap_param_gather and not tc.compile:
+                # (compiled, the per-module waits would break the graphs; evaluation's forward
+                # and the checkpoint's reads wait too)
+                optimizer.overlap_param_gather(par.model)
+            precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
+    return par, optimizer
+
+
+def _auto_precision(cfg: Any, resumed: Any, model: nn.Module, task: Task, data: Data, layout: Any,
+                    device: torch.device, rank: int, world: int) -> Any:
+    """What ``train.precision=auto`` trains in (:mod:`kiln._auto_precision`): a resumed run's
+    checkpoint's mode, the rule's, or rank 0's measurement of ``model``, given to every rank."""
+    from kiln._auto_precision import CANDIDATES, AutoChoice, rule
+
+    if resumed is not None and resumed[1].get("precision", {}).get("mode") in CANDIDATES:
+        # never measured again: a resumed run goes on in the mode it trained in
+        return AutoChoice(resumed[1]["precision"]["mode"], "checkpoint", f"as {resumed[0].name} trained")
+    ruled = rule(device)
+    if ruled is not None:  # the same on every rank
+        return ruled
+    choice = _measure_precision(cfg, model, task, data, layout, device) if rank == 0 else None
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)  # the others wait here while rank 0 measures
+        choice = box[0]
+    return choice
+
+
+def _measure_precision(cfg: Any, model: nn.Module, task: Task, data: Data, layout: Any,
+                       device: torch.device) -> Any:
+    """Forward and backward of ``model`` (the whole model, not yet laid out) on this rank's
+    first micro-batch, in fp32 and bf16-mixed."""
+    from kiln._auto_precision import AutoChoice, choose_for_model, same_random
+    from kiln.train._tasks import micro_batch_loss, to_device
+
+    tc = cfg.train
+    micro = max(1, cfg.data.batch_size // (tc.accumulate * layout.dp))
+    with same_random():  # a loader's workers draw their seeds from torch's stream
+        batch = _first_batch(data.train, micro)
+    if batch is None:
+        return AutoChoice("fp32", "rule", "no training batch to measure on")
+    batch = to_device(batch, device, torch.float32)
+    if any(p.is_meta for p in model.parameters()):
+        # weights still to be read (kiln.hf.from_pretrained): time a copy with random ones
+        model = copy.deepcopy(model).to_empty(device=device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02) if p.is_floating_point() else p.zero_()
+    extra = f"loss={task.kind}|ac={tc.activation_checkpointing},{tc.ac_every}|compile={tc.compile}"
+    return choose_for_model(model, lambda: micro_batch_loss(task, model, batch), device, batch=batch, extra=extra)
+
+
+def _first_batch(loader: Any, size: int) -> Any:
+    """A micro-batch of ``size`` samples: the data set's first ones through the loader's
+    collate function, or, for a stream, the loader's first batch; None for no data."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and not isinstance(dataset, torch.utils.data.IterableDataset):
+        try:
+            n = min(size, len(dataset))
+        except TypeError:
+            n = None
+        if n:
+            return loader.collate_fn([dataset[i] for i in range(n)])
+    try:
+        return next(iter(loader))
+    except StopIteration:
+        return None
 
 
 def _to(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
