@@ -1,12 +1,10 @@
 """Communication time from ``torch.profiler`` (CPU activities) for the benchmarks that run
 processes on gloo (``kiln bench parallel``, ``kiln bench ddp``): time intervals of the
-collectives' events on any thread, their union, and their overlap with other intervals."""
+collectives' events on any thread, their union, and their overlap with other intervals. The
+profiler itself, quiet, is :func:`kiln._profiling.profiled`."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 # On gloo (torch 2.13) a collective shows as its op on the calling thread (``c10d::allreduce_``,
@@ -15,35 +13,6 @@ from typing import Any
 # DDP's reducer issues the same ops; its ``torch.distributed.ddp.reducer::*`` events are
 # copies into and out of its buckets, not communication. NCCL's would be ``nccl:*``.
 COMM_PREFIXES = ("c10d::", "gloo:", "_c10d_functional::", "nccl:")
-
-
-@contextlib.contextmanager
-def profiled() -> Iterator[Any]:
-    """``torch.profiler.profile`` of CPU activities around the block; read its events after it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with _quiet_stderr():
-        prof.start()
-    try:
-        yield prof
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    # kineto prints two "USDT: ... profiler_start/stop" lines per profile to fd 2 from C++
-    # (no switch turns them off); one run of a benchmark would print hundreds
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

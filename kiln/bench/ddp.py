@@ -204,7 +204,7 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool, device: s
     from torch.profiler import record_function
 
     from kiln.bench._harness import sync
-    from kiln.bench._profile import profiled
+    from kiln._profiling import profiled
     from kiln.parallel import all_reduce_gradients, sync_gradients
 
     warmup, steps, n_profiled = QUICK_STEPS if quick else STEPS[name]

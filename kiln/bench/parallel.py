@@ -77,7 +77,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark
-from kiln.bench._profile import comm_seconds, profiled
+from kiln._profiling import profiled
+from kiln.bench._profile import comm_seconds
 from kiln.bench._rss import Rss, held_bytes
 
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
