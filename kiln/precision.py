@@ -2,12 +2,16 @@
 
 ``train.precision``:
 
-- ``auto`` (default): ``bf16-mixed`` where the device computes bf16 natively (a CPU with
-  AVX-512-BF16 or AMX, a GPU with bf16 units; :func:`kiln.hardware.native_low_precision`),
-  ``fp32`` elsewhere. Resolved once, when the run is set up (:func:`resolve`); the run's
-  ``summary.json`` records the mode it trained in. Emulated bf16 is no saving: on a CPU with
-  AVX2 only (AMD EPYC, torch 2.13) a bf16 matmul took 13-50x the fp32 one, and
-  ``kiln bench encoder-layer``'s bf16 variant 7x the fp32 plain layer per iteration.
+- ``auto`` (default): ``fp32`` or ``bf16-mixed``, whichever trains the run's model faster on
+  this device (:mod:`kiln._auto_precision`). On a CPU with native bf16 (AVX-512-BF16 or AMX;
+  :func:`kiln.hardware.native_low_precision`) kiln times a few forward + backward passes of the
+  model on a real batch in both modes, because bf16 pays on some shapes and not on others; on
+  a CPU that emulates bf16 it is ``fp32`` without measuring (on an AVX2-only AMD EPYC, torch
+  2.13, a bf16 matmul took 13-50x the fp32 one, ``kiln bench encoder-layer``'s bf16 variant 7x
+  the fp32 layer); on a GPU it is a rule: ``bf16-mixed`` where the GPU has bf16 units. Decided
+  once, when the run is set up; ``config.yaml`` then holds the chosen mode and ``summary.json``
+  how it was chosen. :func:`resolve` gives the rule's answer, without a model (``fp32`` on a
+  CPU where only a measurement can tell).
 - ``fp32``: everything in float32.
 - ``bf16-mixed``: forward under ``torch.autocast(dtype=bfloat16)``; parameters, gradients and
   optimizer state stay float32. bf16 has float32's exponent range, so no loss scaling is needed.
@@ -54,8 +58,10 @@ class PrecisionWarning(UserWarning):
 
 
 def resolve(mode: str, device: torch.device | str) -> str:
-    """The mode ``mode`` trains in on ``device``: ``auto`` becomes ``bf16-mixed`` where bf16 is
-    native there and ``fp32`` elsewhere; every other mode is itself.
+    """The mode ``mode`` trains in on ``device`` as far as it is known without a model: every
+    mode but ``auto`` is itself; ``auto`` is the rule's answer (``bf16-mixed`` on a GPU with
+    bf16 units, ``fp32`` where bf16 is emulated), and ``fp32`` on a CPU with native bf16 until
+    the trainer has measured the model (:meth:`Precision.settle`).
 
     >>> resolve("fp16-mixed", "cpu"), resolve("auto", "cpu") in ("fp32", "bf16-mixed")
     ('fp16-mixed', True)
@@ -64,7 +70,10 @@ def resolve(mode: str, device: torch.device | str) -> str:
         raise ValueError(f"unknown precision {mode!r}; choose one of {', '.join(MODES)}")
     if mode != "auto":
         return mode
-    return "bf16-mixed" if hardware.native_low_precision(device, torch.bfloat16) else "fp32"
+    from kiln._auto_precision import rule
+
+    ruled = rule(device)
+    return ruled.mode if ruled is not None else "fp32"
 
 
 _warned: set[tuple[str, str]] = set()  # (dtype, device type) already warned about in this process
@@ -286,6 +295,17 @@ class Precision:
         self.input_dtype = {"fp64": torch.float64, "bf16-true": torch.bfloat16}.get(mode, torch.float32)
         self.scaler = LossScaler(**scaler_kwargs) if mode == "fp16-mixed" else None
         self.masters: MasterWeights | None = None
+
+    def settle(self, choice: Any) -> None:
+        """``auto``'s final answer (a :class:`kiln._auto_precision.AutoChoice`), once the model
+        is built: fp32 or bf16-mixed, which build the model, its inputs and the optimizer alike
+        and differ only in autocast, so the policy can change mode up to here."""
+        if self.requested != "auto" or choice.mode not in ("fp32", "bf16-mixed"):
+            raise ValueError(f"only train.precision=auto settles, on fp32 or bf16-mixed (got {choice.mode!r})")
+        self.mode, self.auto = choice.mode, choice
+        self.autocast_dtype = torch.bfloat16 if choice.mode == "bf16-mixed" else None
+
+    auto: Any = None  # the AutoChoice that settled train.precision=auto, or None
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Called once the optimizer is built: bf16-true turns the model into bf16 here."""

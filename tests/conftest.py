@@ -12,6 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# What kiln caches about the machine (train.precision=auto's timings, the CPU's matmul peak) goes
+# to a folder of this test session, not the user's ~/.cache/kiln; subprocesses inherit it.
+if "KILN_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
+
 
 @pytest.fixture
 def one_thread():

@@ -20,8 +20,11 @@ def test_kiln_bf16_overrides_what_the_cpu_says(monkeypatch, answer, native):
     assert caps["native_bf16"] is native and caps["bf16_overridden"]
     assert caps["capability"] == torch.backends.cpu.get_cpu_capability()  # the rest is the CPU's own
     assert hardware.native_low_precision("cpu", torch.bfloat16) is native
-    assert resolve("auto", "cpu") == ("bf16-mixed" if native else "fp32")
-    assert Precision("auto", "cpu").mode == ("bf16-mixed" if native else "fp32")
+    from kiln._auto_precision import rule
+
+    # auto: measured on the model where bf16 is native (fp32 until then), fp32 by rule where emulated
+    assert (rule("cpu") is None) is native
+    assert resolve("auto", "cpu") == "fp32" and Precision("auto", "cpu").mode == "fp32"
     assert (emulation_note("bf16-mixed", "cpu") is None) is native
     info = hardware.machine_info()
     assert info["native_bf16"] is native and info["bf16_overridden"]
@@ -45,8 +48,9 @@ def test_a_value_it_does_not_know_is_an_error_naming_the_variable(monkeypatch):
 
 
 def test_the_override_reaches_a_kiln_process_and_its_choice_of_auto():
-    code = "from kiln.precision import resolve; print(resolve('auto', 'cpu'))"
-    for answer, mode in (("native", "bf16-mixed"), ("emulated", "fp32")):
+    # native: auto measures the model (kiln._auto_precision); emulated: fp32 by rule, unmeasured
+    code = "from kiln._auto_precision import rule; r = rule('cpu'); print(r.mode if r else 'measure')"
+    for answer, mode in (("native", "measure"), ("emulated", "fp32")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "KILN_BF16": answer}).stdout.strip()
         assert out == mode

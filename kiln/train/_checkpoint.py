@@ -309,6 +309,8 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         key = prefix[:-1]
         if key.startswith(RESUMABLE_CHANGES):
             return
+        if key == "train.precision" and b == "auto" and a in ("fp32", "bf16-mixed"):
+            return  # what auto chose when the run started (the resumed run keeps it)
         if a != b:
             out.append(f"{key}: checkpoint {a!r}, config {b!r}")
 

@@ -1,0 +1,258 @@
+"""``train.precision=auto``: fp32 or bf16-mixed, whichever trains this model faster here.
+
+A capability flag cannot say it: on a CPU with native bf16 (AVX-512-BF16), bf16 autocast made a
+plain MLP 1.9-3.5x faster, but the digits ViT (width 64, 16 tokens) no faster at all, and
+``kiln bench hf``'s tiny GPT-2 0.85x. So where bf16 could win, kiln measures:
+
+- **CPU with native bf16** (AVX-512-BF16 or AMX, or ``KILN_BF16=native``): a few forward +
+  backward passes of the run's own model on a real micro-batch, in both modes, interleaved
+  (fp32, bf16, bf16, fp32, ...), after one untimed pass of each; the median of each. bf16-mixed
+  is chosen if its median is at least ``MARGIN`` (5%) below fp32's: a gain inside the noise of
+  a shared machine is not worth bf16's rounding. A mode over 1.5x the other after the first
+  round cannot win and is not timed further. The measurement stops after ``MAX_ROUNDS`` rounds,
+  or after ``BUDGET_S`` seconds once ``MIN_ROUNDS`` are done.
+- **CPU that emulates bf16** (AVX2 only, or ``KILN_BF16=emulated``): fp32, not measured. bf16
+  cannot win there: a bf16 matmul took 13-50x the fp32 one on an AVX2 AMD EPYC (torch 2.13),
+  so the measurement would only cost seconds (a digits ViT bf16 step took ~40x its fp32 step).
+- **GPU**: a rule, not measured: bf16-mixed where the GPU has bf16 units (Ampere and later),
+  fp32 before. On those GPUs bf16 matmuls run on tensor cores at 2-16x fp32's peak, and a
+  model too small to gain loses little.
+
+The choice is made once, on rank 0 (the others receive it), before the model is laid out, and
+restores everything the passes touched (gradients, buffers such as BatchNorm's statistics, the
+random number generators), so that the run is bitwise the run of the chosen mode named
+explicitly. The run directory records it: ``config.yaml`` holds the chosen mode (a rerun from it
+does not measure), ``summary.json`` holds ``precision`` and ``precision_auto`` (how it was
+chosen and the timings), and a resumed run keeps its checkpoint's mode. Timings are cached per
+(model and batch shapes, machine, threads, torch) in ``~/.cache/kiln/auto_precision.json``
+(:mod:`kiln._cache`), so a second run of the same model on the same machine does not measure.
+
+    >>> model = torch.nn.Linear(64, 64)
+    >>> x = torch.randn(256, 64)
+    >>> choice = choose_for_model(model, lambda: model(x).square().mean(), "cpu", cache=False)
+    >>> choice.mode in ("fp32", "bf16-mixed")
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from kiln import _cache, hardware
+
+__all__ = ["AutoChoice", "CANDIDATES", "choose", "choose_for_model", "decide", "measure", "rule", "same_random",
+           "untouched"]
+
+CANDIDATES = ("fp32", "bf16-mixed")  # same parameters, inputs and optimizer: only autocast differs
+MARGIN = 0.05  # bf16-mixed must be this much faster than fp32 to be chosen
+MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 7, 2.0
+HOPELESS = 1.5  # after the first round, a mode this much slower than the other is not timed further
+CACHE = "auto_precision"
+
+
+@dataclass
+class AutoChoice:
+    """What ``train.precision=auto`` became, and why."""
+
+    mode: str  # fp32 or bf16-mixed
+    how: str  # measured | cached | rule | checkpoint
+    reason: str = ""  # the rule's, or what the measurement found, in words
+    ms: dict[str, float] = field(default_factory=dict)  # median forward + backward per mode
+    rounds: int = 0
+
+    def line(self) -> str:
+        """One line for the run's output."""
+        timed = ", ".join(f"{m} {v:.1f} ms" for m, v in self.ms.items())
+        if self.how in ("measured", "cached"):
+            what = f"forward+backward of this model on one micro-batch: {timed}"
+            if self.how == "cached":
+                what += f" (cached in {_cache.cache_dir()})"
+            elif self.rounds == 1:
+                what += f" (one round: one mode over {HOPELESS}x the other, not timed further)"
+            else:
+                what += f" (median of {self.rounds})"
+        else:
+            what = self.reason
+        return f"train.precision=auto -> {self.mode}: {what}"
+
+    def record(self) -> dict[str, Any]:
+        """For summary.json."""
+        return {k: v for k, v in asdict(self).items() if v not in ("", {}, 0)}
+
+
+def rule(device: torch.device | str) -> AutoChoice | None:
+    """The mode where no measurement is needed to know it, or None where it must be measured
+    (a CPU with native bf16)."""
+    device = torch.device(device)
+    native = hardware.native_low_precision(device, torch.bfloat16)
+    if device.type == "cpu":
+        if native:
+            return None
+        caps = hardware.cpu_capability()
+        by = f" ({hardware.BF16_OVERRIDE}=emulated)" if caps.get("bf16_overridden") else f" ({caps['capability']})"
+        return AutoChoice("fp32", "rule", f"bf16 is emulated on this CPU{by}, several times slower than fp32; "
+                                          "not measured")
+    if device.type == "cuda":
+        if native:
+            return AutoChoice("bf16-mixed", "rule", "this GPU has bf16 tensor cores (rule: not measured on GPUs)")
+        return AutoChoice("fp32", "rule", "this GPU has no bf16 tensor cores (before Ampere)")
+    return AutoChoice("bf16-mixed" if native else "fp32", "rule", f"rule for {device.type}")
+
+
+def decide(ms: dict[str, float]) -> str:
+    """bf16-mixed if it measured at least MARGIN faster than fp32, else fp32."""
+    return "bf16-mixed" if ms["bf16-mixed"] < (1 - MARGIN) * ms["fp32"] else "fp32"
+
+
+def _autocast(mode: str, device: torch.device) -> Any:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16-mixed")
+
+
+def measure(step: Callable[[], Any], device: torch.device | str, modes: tuple[str, ...] = CANDIDATES,
+            *, min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS,
+            budget_s: float = BUDGET_S) -> dict[str, list[float]]:
+    """Milliseconds of ``step()`` (a forward and backward) under each mode's autocast, interleaved
+    in rounds after one untimed call of each; a mode HOPELESS-ly slower after the first round
+    is dropped from the rest (its one time stays)."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(mode: str) -> float:
+        sync()
+        start = time.perf_counter()
+        with _autocast(mode, device):
+            step()
+        sync()  # note: waits for the device's kernels, so that the time is theirs
+        return (time.perf_counter() - start) * 1e3
+
+    for mode in modes:  # first calls allocate, and oneDNN builds its kernels for the shapes
+        timed(mode)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    live = list(modes)
+    started = time.perf_counter()
+    for r in range(max_rounds):
+        for mode in (live if r % 2 == 0 else live[::-1]):  # neither mode always runs first
+            times[mode].append(timed(mode))
+        if r == 0:
+            best = min(times[m][0] for m in live)
+            live = [m for m in live if times[m][0] <= HOPELESS * best]
+        if len(live) < 2 or (r + 1 >= min_rounds and time.perf_counter() - started > budget_s):
+            break
+    return times
+
+
+def choose(step: Callable[[], Any], device: torch.device | str, *, key: str | None = None,
+           cache: bool = True) -> AutoChoice:
+    """The rule's choice where there is one; else the measured one (cached under ``key``)."""
+    ruled = rule(device)
+    if ruled is not None:
+        return ruled
+    if cache and key is not None:
+        hit = _cache.get(CACHE, key)
+        if hit is not None and set(hit.get("ms", {})) == set(CANDIDATES):
+            return AutoChoice(decide(hit["ms"]), "cached", ms=hit["ms"])
+    times = measure(step, device)
+    ms = {m: statistics.median(v) for m, v in times.items()}
+    choice = AutoChoice(decide(ms), "measured", ms={m: round(v, 3) for m, v in ms.items()},
+                        rounds=max(len(v) for v in times.values()))
+    if cache and key is not None:
+        _cache.put(CACHE, key, {"ms": choice.ms, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return choice
+
+
+def signature(model: torch.nn.Module, batch: Any, device: torch.device | str, extra: str = "") -> str:
+    """A key for the cache: the model's modules and parameter shapes, the batch's shapes, the
+    device, the machine, torch's threads and version."""
+    parts = [type(model).__qualname__, extra, str(torch.device(device)), torch.__version__,
+             str(torch.get_num_threads()), hardware.cpu_model(), hardware.cpu_capability()["capability"],
+             str(hardware.native_low_precision(device, torch.bfloat16))]
+    if torch.device(device).type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    for name, m in model.named_modules():
+        parts.append(f"{name}:{type(m).__name__}")
+    for name, p in model.named_parameters():
+        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+
+    def shapes(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{tuple(x.shape)}:{x.dtype}")
+        elif isinstance(x, dict):
+            for k in sorted(x):
+                parts.append(str(k))
+                shapes(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                shapes(v)
+
+    shapes(batch)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+@contextlib.contextmanager
+def same_random() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU and CUDA) random states are as they were on exit:
+    dropout in the passes, or a loader's seed, draws nothing from the run's streams."""
+    import numpy as np
+
+    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+             random.getstate(), np.random.get_state())
+    try:
+        yield
+    finally:
+        cpu, cuda, py, np_state = saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(py)
+        np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Forward + backward passes inside leave no trace: the parameters' gradients, the buffers
+    (BatchNorm's running statistics) and the random states are as they were on exit."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    for p, _ in grads:
+        p.grad = None  # fresh gradients, not accumulated into (an arena's views stay as they are)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with same_random():
+            yield
+    finally:
+        with torch.no_grad():
+            for p, g in grads:
+                p.grad = g
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def choose_for_model(model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device | str,
+                     *, batch: Any = None, extra: str = "", cache: bool = True) -> AutoChoice:
+    """fp32 or bf16-mixed for training ``model``, where ``loss()`` runs its forward on a real
+    batch (``batch``, for the cache's key) and returns the loss; the passes leave the model,
+    its gradients and the random state as they were."""
+    ruled = rule(device)
+    if ruled is not None:
+        return ruled
+    was_training = model.training
+    model.train()
+
+    def step() -> None:
+        loss().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    try:
+        with untouched(model):
+            key = signature(model, batch, device, extra) if cache else None
+            return choose(step, device, key=key, cache=cache)
+    finally:
+        model.train(was_training)
