@@ -207,6 +207,9 @@ class RunDir:
     def open_metrics(self, fields: list[str]) -> None:
         path = self.path / METRICS
         new = not path.exists() or path.stat().st_size == 0
+        if not new:  # a resumed run appends under the header it has (written by an older kiln, say)
+            with open(path, newline="") as f:
+                fields = next(csv.reader(f), None) or fields
         self._metrics_file = open(path, "a", newline="")
         self._metrics_writer = csv.DictWriter(self._metrics_file, fieldnames=fields, extrasaction="ignore")
         if new:

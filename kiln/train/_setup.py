@@ -29,6 +29,7 @@ from kiln.parallel import Parallel, broadcast_parameters, init_distributed, para
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
 from kiln.train._memory import TensorMemory
+from kiln.train._mfu import Mfu
 from kiln.train._build import (
     Data,
     build_data,
@@ -123,6 +124,7 @@ class Run:
     total_steps: int
     start_step: int
     memory: TensorMemory  # the peak of live tensor bytes over the first steps
+    mfu: Mfu  # FLOPs per step (counted on the first) against the devices' peak
     compile_seconds: float | None = None
     owns_group: bool = False  # setup started the process group: the run ends it
     last_train_loss: float = float("nan")
@@ -262,7 +264,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
                               machine=machine_line(),
                               resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
         out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
-                          "samples_per_second", "peak_memory_mb", "wall_seconds",
+                          "samples_per_second", "mfu", "peak_memory_mb", "wall_seconds",
                           *(f"eval_{m}" for m in task.metric_names())])
         # rank 0 alone logs; a resumed run continues the logged runs RUN_DIR/loggers.json names
         loggers = Loggers.open(tc.loggers, out.path, plain(cfg), resumed=resumed is not None) if rank == 0 \
@@ -274,11 +276,12 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
             progress.message(f"kiln: {precision.auto.line()}")
         progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, {shown_precision}, "
                          f"steps {start_step + 1}..{total_steps} -> {out.path}")
+        mfu = Mfu(device, precision, world, layout.tp, main=rank == 0)  # (a CPU's peak: measured once, cached)
         meter.window_start = time.perf_counter()
         return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
                    task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                    out=out, progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
-                   memory=TensorMemory(device, (par.model, optimizer), enabled=tc.measure_memory),
+                   memory=TensorMemory(device, (par.model, optimizer), enabled=tc.measure_memory), mfu=mfu,
                    total_steps=total_steps, start_step=start_step)
     except BaseException as exc:
         out.stopped(exc)

@@ -75,7 +75,9 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             started = time.perf_counter()
             lr = run.scheduler.get_last_lr()[0]  # the rate this step runs at (the scheduler steps in it)
             with run.memory.step():  # the first steps' peak of live tensor bytes
-                loss, grad_norm = train_step(run, next(run.batches))
+                batch = next(run.batches)
+                with run.mfu.count(batch.samples):  # the first step's FLOPs
+                    loss, grad_norm = train_step(run, batch)
             if tc.compile and step == run.start_step + 1:
                 # the compiling first step is reported apart: speed and the ETA start after it
                 run.compile_seconds = time.perf_counter() - started
@@ -183,6 +185,7 @@ def _train_metrics(run: Run, lr: float, grad_norm: torch.Tensor | None) -> dict[
         loss_scale=scaler.scale if scaler else None, skipped_steps=scaler.skipped_steps if scaler else None,
         samples_per_second=timed / max(elapsed, 1e-9) if timed else None,
     )
+    row["mfu"] = run.mfu.of(row["samples_per_second"])  # None where no peak is known
     m.window_loss.zero_()
     m.window_steps, m.window_samples = 0, m.samples_seen
     return row
@@ -201,9 +204,10 @@ def _log(run: Run, step: int, row: dict[str, Any]) -> None:
                wall_seconds=run.meter.wall_seconds())
     run.out.log_metrics(row)
     run.loggers.log(step, row)  # a logger that fails is dropped with a warning: the run goes on
-    speed = row.get("samples_per_second")
+    speed, mfu = row.get("samples_per_second"), row.get("mfu")
     run.progress.update(step, epoch=run.batches.epoch, loss=row.get("train_loss"), lr=row.get("lr"),
                         **{"samples/s": None if speed is None else round(speed)},
+                        mfu=None if mfu is None else f"{mfu:.2%}",
                         **{f"val_{k}": v for k, v in run.last_eval.items() if "eval_loss" in row})
     run.meter.window_start = time.perf_counter()  # evaluation and logging are not training time
 
@@ -234,10 +238,11 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
         # writes alike (whole tensors by name); the other ranks wait at the barrier below
         final = run.out.path / CHECKPOINTS / "final"
         export_checkpoint(partial(build_model, run.cfg.model), final, run.out.path / "hf")
+    speed = m.timed_samples / max(m.train_seconds, 1e-9)
     summary = dict(
         status="completed", steps=step, epochs=round(run.batches.epochs_done, 4),
         final_train_loss=run.last_train_loss, eval=run.last_eval,
-        samples_per_second=m.timed_samples / max(m.train_seconds, 1e-9),
+        samples_per_second=speed, **run.mfu.summary(speed),
         peak_memory_mb=peak_memory_mb(run.device), peak_tensor_memory_mb=run.memory.peak_mb(run.world),
         wall_seconds=m.wall_seconds(),
         processes=run.world, layout={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
@@ -258,8 +263,9 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
         dist.barrier()  # no rank closes its connections while another still uses them
     run.progress.close()
     shown = "  ".join(f"{k} {v:.4f}" for k, v in run.last_eval.items())
+    shown_mfu = f" (MFU {summary['mfu']:.2%})" if summary.get("mfu") is not None else ""
     run.progress.message(
-        f"kiln: done in {summary['wall_seconds']:.1f} s, {summary['samples_per_second']:.0f} samples/s, "
+        f"kiln: done in {summary['wall_seconds']:.1f} s, {summary['samples_per_second']:.0f} samples/s{shown_mfu}, "
         f"train loss {run.last_train_loss:.4f}, eval {shown} -> {run.out.path}"
     )
     return RunResult(run.out.path, run.out.summary)

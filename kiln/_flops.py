@@ -1,0 +1,160 @@
+"""FLOPs of a step and the device's peak FLOP/s: MFU (model FLOPs utilization).
+
+- :class:`CountFlops` counts the FLOPs of the operators run inside it (matmuls, convolutions,
+  attention: ``torch.utils.flop_counter``'s formulas, plus CPU's fused attention kernels, which
+  its registry leaves out). It is a bare ``TorchDispatchMode``: ``FlopCounterMode`` itself
+  tracks modules with global hooks whose first call imports ``torch._dynamo`` (1-10 s).
+  It also counts under ``FakeTensorMode`` (``kiln plan``'s trace): only shapes are read.
+- :func:`peak_flops` is the device's peak in a dtype: on a GPU the datasheet's dense figure
+  (a table by name); on a CPU a matmul measured once per (CPU, threads, dtype, torch) and
+  cached in ``~/.cache/kiln/peak_flops.json`` (:mod:`kiln._cache`).
+- :func:`mfu` is achieved FLOP/s over the peak of the devices that ran them.
+
+    >>> with CountFlops() as counted:
+    ...     torch.randn(64, 32) @ torch.randn(32, 16)
+    >>> counted.total
+    65536
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kiln import _cache, hardware
+
+__all__ = ["CountFlops", "GPU_PEAKS", "mfu", "op_flops", "peak_flops"]
+
+
+def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one operator call (0 for operators that do no matrix work)."""
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+    packet = func._overloadpacket
+    count = flop_registry.get(packet)
+    if count is not None:
+        return int(count(*args, **kwargs, out_val=out))
+    aten = torch.ops.aten
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:  # q, k, v: (B, H, T, Dh)
+        return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:  # grad_out, q, k, v, ...
+        return int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    return 0
+
+
+class CountFlops(TorchDispatchMode):
+    """``total``: the FLOPs of every operator run inside (forward and backward alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (True wraps __torch_dispatch__ in torch._dynamo.disable: its first call imports dynamo)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.total += op_flops(func, args, kwargs, out)
+        return out
+
+
+# Dense (no sparsity) peak TFLOP/s from the vendors' datasheets, by a substring of
+# torch.cuda.get_device_name(); "bf16" is the tensor-core figure (fp16 is the same on these),
+# "fp32" the non-tensor-core one (torch's default matmul precision does not use TF32).
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.4, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.5, "fp32": 60.0},
+    "H100": {"bf16": 989.4, "fp32": 66.9},  # SXM
+    "GH200": {"bf16": 989.4, "fp32": 66.9},
+    "B200": {"bf16": 2250.0, "fp32": 80.0},
+    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "A10G": {"bf16": 70.0, "fp32": 35.0},  # (before "A10": the longer name first)
+    "A10": {"bf16": 125.0, "fp32": 31.2},
+    "L40S": {"bf16": 362.1, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp32": 30.3},
+    "RTX 4090": {"bf16": 165.2, "fp32": 82.6},
+    "V100": {"bf16": 125.0, "fp32": 15.7},  # fp16 tensor cores (V100 has no bf16 units)
+    "T4": {"bf16": 65.0, "fp32": 8.1},  # fp16
+}
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "fp32" if dtype in (torch.float32, torch.float64) else "bf16"
+
+
+def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak FLOP/s of the GPU called ``name`` in ``dtype``, or None."""
+    if dtype == torch.float64:  # (fp64 peaks are another table, and fp64 runs are for checking)
+        return None
+    for key, peaks in GPU_PEAKS.items():
+        if key in name:
+            return peaks[_kind(dtype)] * 1e12
+    return None
+
+
+MATMUL_N = 1024  # the CPU peak's square matmul; 256 where the dtype is emulated (13-50x slower)
+PEAK_CACHE = "peak_flops"
+
+
+def _matmul_flops(dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
+    """FLOP/s of the fastest of ``repeats`` ``n`` x ``n`` matmuls (after an untimed one)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # the first call allocates and, for bf16, builds oneDNN's kernel
+    best = float("inf")
+    started = time.perf_counter()
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() - started > budget_s:
+            break
+    return 2 * n**3 / best
+
+
+def cpu_peak(dtype: torch.dtype, *, cache: bool = True) -> float:
+    """This CPU's matmul FLOP/s in ``dtype`` with torch's current threads.
+
+    Measured once (the best of up to 5 square matmuls, 0.1-0.5 s) and cached. A machine that
+    other jobs share measures low, and a low peak would inflate every MFU after it, so each
+    later call times one more matmul (~30 ms) and keeps the best figure ever seen."""
+    threads = torch.get_num_threads()
+    key = f"{hardware.cpu_model()}|{hardware.cpu_capability()['capability']}|{threads}|{dtype}|{torch.__version__}"
+    native = dtype in (torch.float32, torch.float64) or hardware.native_low_precision("cpu", dtype)
+    n = MATMUL_N if native else MATMUL_N // 4
+    hit = _cache.get(PEAK_CACHE, key) if cache else None
+    if hit is None:
+        flops = _matmul_flops(dtype, n, repeats=5, budget_s=0.5)
+    else:
+        flops = max(float(hit["flops"]), _matmul_flops(dtype, n, repeats=1, budget_s=0.0))
+        if flops == float(hit["flops"]):
+            return flops
+    if cache:
+        _cache.put(PEAK_CACHE, key, {"flops": flops, "n": n, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return flops
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """``(peak FLOP/s of one device, where the figure comes from)``; None where unknown (a GPU
+    not in the table)."""
+    device = torch.device(device)
+    name = "bf16" if dtype == torch.bfloat16 else "fp16" if dtype == torch.float16 else str(dtype).split(".")[-1]
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        peak = gpu_peak(gpu, dtype)
+        return peak, f"{gpu} datasheet, dense {name}" if peak else f"{gpu}: not in kiln._flops.GPU_PEAKS"
+    if device.type == "cpu":
+        return cpu_peak(dtype), f"{name} matmul measured on this CPU, {torch.get_num_threads()} thread(s)"
+    return None, f"no peak known for {device.type}"
+
+
+def mfu(flops_per_step: float, steps_per_second: float, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOPs utilization: the FLOP/s the steps achieved over ``devices`` x the peak."""
+    if not peak or not flops_per_step or steps_per_second <= 0:
+        return None
+    return flops_per_step * steps_per_second / (peak * devices)
