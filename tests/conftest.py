@@ -20,6 +20,22 @@ if "KILN_CACHE_DIR" not in os.environ:
     os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
 
 
+# ------------------------------------------------------------------------------- the test tiers
+# A test says what it is: `distributed` (it starts processes that meet on gloo: run_distributed,
+# kiln train --nproc N, torchrun) or `e2e` (a long end-to-end run in one process: whole trainings,
+# kill -9 and signals, benchmarks' quick runs). Either makes it `slow`, which only means "not in
+# the fast tier": pytest -m "not slow" is the fast tier, -m distributed or -m e2e one half of the
+# rest. (pyproject.toml registers the markers; the README's test section names the tiers.)
+SLOW_KINDS = ("distributed", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test: on tiny tensors on a shared 2-core machine, every op

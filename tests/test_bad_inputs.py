@@ -137,7 +137,7 @@ def test_kiln_run_dir_whose_parents_do_not_exist_is_created(tmp_path, capsys, mo
     assert (run / "checkpoints" / "final").is_dir()
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("launcher", ["torchrun", "kiln --nproc 2"])
 def test_kiln_run_dir_whose_parents_do_not_exist_under_torchrun(tmp_path, launcher):
     """The documented multi-process form (torchrun starts the workers, KILN_RUN_DIR names the

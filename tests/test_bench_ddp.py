@@ -14,7 +14,7 @@ import torch
 from kiln.bench import BENCHMARKS, run_benchmark
 from kiln.bench.ddp import METHODS, MODELS, build_model
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 
 def _n_params(name: str, quick: bool) -> int:

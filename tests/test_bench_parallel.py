@@ -20,7 +20,7 @@ import pytest
 from kiln.bench import BENCHMARKS, get_benchmark
 from kiln.bench import parallel as bench
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 SETTINGS = {"model": dict(vocab_size=256, seq_len=16, dim=128, depth=4, heads=4), "batch": 8, "microbatches": 4,

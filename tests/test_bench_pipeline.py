@@ -31,7 +31,7 @@ def _curve(row: dict) -> list[tuple[int, float, float]]:
     return [(e["step"], e["accuracy"], e["loss"]) for e in row["curve"]]
 
 
-@pytest.mark.slow  # seven kiln train processes, five of them under torchrun
+@pytest.mark.distributed  # seven kiln train processes, five of them under torchrun
 def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path):
     assert "pipeline" in BENCHMARKS
     report = run_benchmark("pipeline", tmp_path, quick=True)
@@ -98,7 +98,7 @@ def _evaluation_calls(cfg) -> list[dict]:
     return calls
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_naive_evaluation_records_a_graph_and_no_grad_evaluation_none(tmp_path):
     steps = ["train.max_steps=2", "train.eval_every=1"]
     naive = _evaluation_calls(_row_config(tmp_path, 1, steps))

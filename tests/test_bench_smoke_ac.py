@@ -10,7 +10,7 @@ import torch
 import kiln.hardware
 from kiln.bench import BENCHMARKS, run_benchmark
 
-pytestmark = pytest.mark.slow  # runs a benchmark: the full suite runs it, the fast tier does not
+pytestmark = pytest.mark.e2e  # runs a benchmark: the full suite runs it, the fast tier does not
 
 
 def _assert_machine(saved: dict) -> None:

@@ -44,7 +44,7 @@ def test_each_row_adds_what_it_claims(quick):
         assert len(changed) == 1 or row["name"].startswith(("+ batch", "+ bf16-true")), row["name"]
 
 
-@pytest.mark.slow  # nine kiln train runs in 2 gloo processes: 136-249 s on the 2 shared cores (load 11-23)
+@pytest.mark.distributed  # nine kiln train runs in 2 gloo processes: 136-249 s on the 2 shared cores (load 11-23)
 def test_vit_benchmark_quick(tmp_path):
     assert "vit" in BENCHMARKS
     report = run_benchmark("vit", tmp_path, quick=True)
@@ -116,29 +116,23 @@ def test_optim_impl_refuses_what_torch_optimizers_cannot_do(overrides, words):
         assert word in str(err.value), (word, str(err.value))
 
 
-@pytest.mark.slow  # kiln train --nproc 2, four times
+@pytest.mark.distributed  # four kiln train runs in one pair of gloo processes
 def test_torch_forloop_adamw_trains_under_ddp_and_fsdp(tmp_path):
-    """kiln train --nproc 2 with torch.optim.AdamW (for-loop), replicated and under FSDP2,
-    steps the same weights as kiln's AdamW from the same start (rounding aside)."""
-    import subprocess
-    import sys
+    """Two processes with torch.optim.AdamW (for-loop), replicated and under FSDP2, step the
+    same weights as kiln's AdamW from the same start (rounding aside); the four runs share one
+    pair of processes (tests/group_runs.py), as the benchmark's rows do."""
+    from group_runs import train_in_one_group
 
     from kiln.bench.vit import CONFIG
     from kiln.train import read_metrics
 
-    losses = {}
-    for impl in ("torch-forloop", "kiln"):
-        for zero in (0, 3):
-            out = tmp_path / f"{impl}-{zero}"
-            done = subprocess.run(
-                [sys.executable, "-m", "kiln", "train", str(CONFIG), "--nproc", "2", f"optim.impl={impl}",
-                 f"parallel.zero={zero}", "train.precision=fp32", "train.max_steps=6", "train.log_every=1",
-                 "train.progress=none", "train.threads=1", f"train.output_dir={out}", "optim.schedule=constant",
-                 "model.depth=1"],
-                capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr[-2000:]
-            (run_dir,) = out.iterdir()
-            losses[impl, zero] = [float(r["train_loss"]) for r in read_metrics(run_dir) if r.get("train_loss")]
+    cases = [(impl, zero) for impl in ("torch-forloop", "kiln") for zero in (0, 3)]
+    runs = [(str(CONFIG), [f"optim.impl={impl}", f"parallel.zero={zero}", "train.precision=fp32", "train.max_steps=6",
+                           "train.log_every=1", "train.progress=none", "train.threads=1",
+                           f"train.output_dir={tmp_path / f'{impl}-{zero}'}", "optim.schedule=constant",
+                           "model.depth=1"]) for impl, zero in cases]
+    losses = {case: [float(r["train_loss"]) for r in read_metrics(run_dir) if r.get("train_loss")]
+              for case, run_dir in zip(cases, train_in_one_group(2, runs))}
     base = losses["kiln", 0]
     assert len(base) == 6 and base[-1] < base[0]
     for key, got in losses.items():

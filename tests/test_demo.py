@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VIT = str(ROOT / "configs" / "digits_vit.py")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_digits_vit_demo_reaches_97_percent(tmp_path):
     # Seed 5 is not one of the seeds 0-4 the config's docstring reports: a fresh draw, so the
     # test guards the margin, not one lucky run. About half a minute on 2 cores. fp32, as those

@@ -18,7 +18,7 @@ import torch
 
 from kiln.train import load_checkpoint, read_metrics
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -55,18 +55,36 @@ def one_process_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("precision, accumulate, zero, optim", [
-    ("fp32", 1, 0, "adamw"), ("fp64", 2, 0, "adamw"), ("fp64", 2, 1, "adamw"), ("fp64", 1, 2, "lamb"),
-    ("fp32", 2, 2, "adamw"), ("fp64", 2, 3, "adamw"), ("fp64", 1, 3, "lamb"),
-])
-def test_two_processes_train_the_same_model_as_one(tmp_path, one_process_runs, precision, accumulate, zero, optim):
+LAYOUTS = [("fp32", 1, 0, "adamw"), ("fp64", 2, 0, "adamw"), ("fp64", 2, 1, "adamw"), ("fp64", 1, 2, "lamb"),
+           ("fp32", 2, 2, "adamw"), ("fp64", 2, 3, "adamw"), ("fp64", 1, 3, "lamb")]
+
+
+def _common(precision: str, accumulate: int, optim: str) -> tuple[str, ...]:
     # random Gaussian images: no always-zero pixel whose tiny gradient Adam would blow up
-    common = ("train.max_steps=5", "optim.lr=1e-3", f"train.accumulate={accumulate}", "train.log_every=5",
-              f"train.precision={precision}", "data.name=synthetic_images", f"optim.name={optim}",
-              "train.clip_grad_norm=1.0")
-    two = _kiln("train", MLP, "--nproc", "2", *common, f"parallel.zero={zero}", f"train.output_dir={tmp_path / 'two'}")
-    assert two.returncode == 0, two.stderr[-2000:]
-    a, b = one_process_runs(*common), _only_run(tmp_path / "two")
+    return ("train.max_steps=5", "optim.lr=1e-3", f"train.accumulate={accumulate}", "train.log_every=5",
+            f"train.precision={precision}", "data.name=synthetic_images", f"optim.name={optim}",
+            "train.clip_grad_norm=1.0")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """Every layout's two-process run, each a whole kiln.train run in one pair of gloo processes
+    started once (tests/group_runs.py): 24 s of CPU for the seven, where seven launches of kiln
+    train --nproc 2 took 140 s (20 s each, most of it three processes importing torch and the
+    trainer). The launcher's own part is tested below and in test_run_safety."""
+    from group_runs import train_in_one_group
+
+    out = tmp_path_factory.mktemp("two")
+    runs = [(MLP, [*_common(p, a, o), f"parallel.zero={z}", f"train.output_dir={out / str(i)}"])
+            for i, (p, a, z, o) in enumerate(LAYOUTS)]
+    return dict(zip(LAYOUTS, train_in_one_group(2, runs)))
+
+
+@pytest.mark.parametrize("precision, accumulate, zero, optim", LAYOUTS)
+def test_two_processes_train_the_same_model_as_one(two_process_runs, one_process_runs, precision, accumulate, zero,
+                                                   optim):
+    common = _common(precision, accumulate, optim)
+    a, b = one_process_runs(*common), two_process_runs[precision, accumulate, zero, optim]
     ca, cb = load_checkpoint(a / "checkpoints" / "final"), load_checkpoint(b / "checkpoints" / "final")
     # The averaged gradients agree to fp32 rounding (Adam's first moment is their running mean) ...
     # (read whole, keyed as in one process, whichever ranks wrote which shards)

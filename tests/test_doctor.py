@@ -289,7 +289,7 @@ def test_the_diagnosis_of_a_missing_extra_and_of_a_hidden_cause():
     assert import_diagnosis(ValueError("something else")) is None
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_real_transformers_beside_a_broken_torchvision_doctor_and_train_say_the_same(broken_torchvision,
                                                                                         tmp_path):
     """As a user meets it: transformers imported for real beside the broken torchvision. kiln
@@ -310,7 +310,7 @@ def test_a_real_transformers_beside_a_broken_torchvision_doctor_and_train_say_th
     assert train.stderr.strip().endswith(torchvision_line), (train.stderr, torchvision_line)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_kiln_doctor_runs_every_check_here():
     run = subprocess.run([sys.executable, "-m", "kiln", "doctor"], capture_output=True, text=True, cwd=ROOT,
                          timeout=300)

@@ -177,7 +177,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_reads_only_its_part_and_the_first_forward_equals_transformers(pretrained, world):
     """FSDP2 (dp=2, zero=3), tp=2, pp=2 (1F1B), tp=2 x pp=2 and dp=2 x tp=2 with FSDP2."""
@@ -262,7 +262,7 @@ def test_a_run_from_a_local_directory_writes_hf_that_from_pretrained_loads_as_it
         assert exported.lm_head.weight is exported.transformer.wte.weight
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("family,layout", [
     ("llama", ["parallel.zero=3"]),
     ("gpt2", ["parallel.tp=2"]),

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kiln.parallel.testing import run_distributed
 
-pytestmark = pytest.mark.slow  # processes on gloo
+pytestmark = pytest.mark.distributed  # processes on gloo
 
 B, T, V = 4, 16, 64
 # rtol=1e-5 as asked; atol covers gradients whose true value is 0 (BERT's key bias: softmax

@@ -116,7 +116,7 @@ def test_a_family_without_a_plan_is_refused_with_the_list_of_those_with_one():
         check_parallel_config(cfg)
 
 
-@pytest.mark.slow  # a kiln process importing transformers
+@pytest.mark.e2e  # a kiln process importing transformers
 def test_kiln_train_refuses_with_one_line_and_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kiln", "train", "configs/hf_llama_tiny.py", "--nproc", "4",
                            "parallel.tp=4", f"train.output_dir={tmp_path}"], capture_output=True, text=True,

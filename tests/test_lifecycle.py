@@ -27,7 +27,7 @@ def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, kill_9_at):
     # dropout on, so the torch RNG state matters; 23 batches per epoch, so the kill lands mid-epoch;
     # fp32 in both runs (kill_9_at's, and not auto: bf16-mixed where bf16 is native)
@@ -86,7 +86,7 @@ def test_resume_refuses_a_config_that_does_not_match_the_checkpoint(tmp_path, ca
     assert "optim.lr" in err and "0.003" in err and "0.1" in err
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_resume_can_extend_a_finished_run(tmp_path):
     run = _short_run(tmp_path)
     assert main(["train", "--resume", str(run), "train.max_steps=30"]) == 0
@@ -94,7 +94,7 @@ def test_resume_can_extend_a_finished_run(tmp_path):
     assert [int(r["step"]) for r in read_metrics(run)][-1] == 30
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_run_extended_past_its_end_resumes_from_its_newest_checkpoint_not_the_old_final(tmp_path):
     from kiln.train import Checkpoints
 
@@ -117,7 +117,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert load_checkpoint(run / "checkpoints" / "step-00000025")["step"] == 25
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_early_stopping_stops_records_why_and_keeps_the_best(tmp_path):
     # min_delta=10: no evaluation can improve the loss by that much, so patience runs out
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=100", "train.eval_every=5",
@@ -131,7 +131,7 @@ def test_early_stopping_stops_records_why_and_keeps_the_best(tmp_path):
     assert load_checkpoint(run / "checkpoints" / "final")["step"] == 15
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_early_stopping_on_accuracy_tracks_the_maximum(tmp_path):
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=60", "train.eval_every=10",
                  "train.early_stopping.metric=eval_accuracy", "train.early_stopping.mode=max",

@@ -279,7 +279,7 @@ def test_the_trainer_imports_no_logger_package_until_one_is_named():
     assert out.strip() == "[]"
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_rank_0_logs_alone(tmp_path):
     pytest.importorskip("wandb")
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}

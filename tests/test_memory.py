@@ -188,7 +188,7 @@ def test_checkpointing_a_model_without_blocks_is_a_one_line_config_error_before_
 # kiln.compile lives beside kiln.memory (both are applied from outside the model); its test is here.
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_compiled_vit_trains_like_eager():
     """20 AdamW steps: the compiled model's losses stay within 1e-5 relative of eager. One compile."""
     from kiln.compile import apply_compile, timed_first_call

@@ -283,7 +283,7 @@ def test_vit_blocks_split_reproduces_forward():
         torch.testing.assert_close(model.forward_head(h), model(x), rtol=0, atol=0)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_vit_learns_a_tiny_task():
     """A few Adam steps fit a small fixed batch: the model can actually learn."""
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch
 from kiln.parallel.testing import free_port
 from kiln.train import load_checkpoint
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")

@@ -308,7 +308,7 @@ def test_lars_zero_norm_gives_ratio_one():
     assert torch.allclose(w.detach(), torch.full((3, 3), -0.1))  # q = 1, not eta * 0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_compiled_lamb_and_lars_match_eager_and_do_not_recompile_on_lr_change(monkeypatch):
     """torch.compile's kernels: what LAMB and LARS run where no native kernel serves (CUDA,
     16-bit arenas, or no C++ compiler), forced here on CPU."""

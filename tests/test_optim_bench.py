@@ -7,7 +7,7 @@ import torch
 
 from kiln.bench import optimizer as bench
 
-pytestmark = pytest.mark.slow  # runs a benchmark: the full suite runs it, the fast tier does not
+pytestmark = pytest.mark.e2e  # runs a benchmark: the full suite runs it, the fast tier does not
 
 
 @pytest.fixture(autouse=True)

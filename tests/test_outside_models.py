@@ -211,7 +211,7 @@ def _loss_curve(run: Path) -> list[float]:
     return _logged_losses(run)
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["user", "gpt2", "llama", "bert"])
 def test_outside_models_train_under_every_acceleration(tmp_path, name):
     """bf16-mixed with activation checkpointing, compile, and two processes with ZeRO-2 and
@@ -241,7 +241,7 @@ def test_outside_models_train_under_every_acceleration(tmp_path, name):
         assert _max_rel(two, one) < 1e-5, (zero, two, one)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["user", "gpt2", "llama", "bert"])
 def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, kill_9_at, name):
     if name == "user":
@@ -463,7 +463,7 @@ def test_an_iterable_dataset_with_its_own_collate_fn(tmp_path):
     assert [int(float(r["epoch"])) for r in read_metrics(run)][-1] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_bench_hf_quick_measures_kiln_and_the_trainer_on_one_model(tmp_path):
     pytest.importorskip("accelerate")
     from kiln.bench import run_benchmark

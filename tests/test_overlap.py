@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-pytestmark = pytest.mark.slow  # processes on gloo
+pytestmark = pytest.mark.distributed  # processes on gloo
 
 STEPS, UNUSED_STEP, FOREIGN_STEP = 6, 2, 3
 

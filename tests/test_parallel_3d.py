@@ -22,7 +22,7 @@ from kiln.models import create_model
 from kiln.parallel import Layout, ZeroOptimizer, parallelize
 from kiln.parallel.testing import run_distributed
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 STEPS, BATCH, SEQ, M = 3, 8, 16, 4
 MODEL = dict(dim=32, depth=4, heads=4, seq_len=SEQ)

@@ -21,7 +21,7 @@ import kiln.optim as ko
 from kiln.parallel import ZeroOptimizer, all_reduce_gradients, apply_fsdp, clip_grad_norm_, load_sharded, save_sharded
 from kiln.parallel.testing import run_distributed
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 ARCH = dict(depth=2, dim=32, heads=2)
 BATCH = 8

@@ -299,7 +299,7 @@ def _toy_worker(rank, world, layout_kw):
     return dict(loss=float(loss), ref_loss=float(ref_loss), shapes=shapes, grad_err=grads)
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_toy_family_trains_with_tp_and_pp_from_its_plan_alone():
     for layout, check in (({"tp": 2}, "tp"), ({"pp": 2}, "pp")):
         outs = run_distributed(_toy_worker, 2, layout)

@@ -21,7 +21,7 @@ from kiln.parallel._pp import build_pipeline, check_pipeline, cut_stage, stage_r
 from kiln.parallel.testing import run_distributed
 from kiln.parallel._zero import all_reduce_gradients
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 STEPS, BATCH, MICRO, SEQ, DEPTH = 3, 8, 4, 16, 4
 EVAL_BATCH = 6  # not a multiple of MICRO: forward() picks 3 micro-batches

@@ -21,7 +21,7 @@ from kiln.data._text import mask_tokens
 from kiln.parallel.testing import run_distributed
 from kiln.parallel._tp import check_tp
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 ARCH = dict(dim=32, depth=2, heads=4, seq_len=16, vocab_size=256, dropout=0.0)
 B, T, STEPS = 4, 16, 3

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "configs" / "gpt_tiny.py")

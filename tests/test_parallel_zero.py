@@ -18,7 +18,7 @@ from kiln.parallel import (ZeroOptimizer, all_reduce_gradients, broadcast_parame
                            rank, world_size)
 from kiln.parallel.testing import run_distributed
 
-pytestmark = pytest.mark.slow  # processes on gloo: the full suite runs them, the fast tier does not
+pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
 STEPS, BATCH, ACCUM = 5, 16, 2
 OPTS = {

@@ -153,7 +153,7 @@ def test_clipping_logs_the_pre_clip_norm_and_bounds_the_update(tmp_path):
     assert len(norms) == 4 and all(n > 0.01 for n in norms)  # logged before clipping
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 def test_mixed_precision_vit_reaches_95_percent(tmp_path, precision):
     before = set(tmp_path.iterdir())
@@ -196,7 +196,7 @@ def test_bf16_true_needs_the_arena(tmp_path, capsys):
     assert "optim.contiguous=true" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("precision, workers", [("fp32", 0), ("fp32", 2), ("bf16-true", 0), ("fp16-mixed", 0)])
 def test_resume_from_a_middle_checkpoint_reproduces_the_run(tmp_path, precision, workers):
     # data.batch_size=128: 11 batches per epoch, so step 5 is mid-epoch and step 20 in the next one

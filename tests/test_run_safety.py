@@ -87,7 +87,7 @@ def test_resuming_a_finished_run_is_refused_before_anything_is_rewritten(tmp_pat
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
-@pytest.mark.slow  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
 def test_kill_9_before_the_first_metrics_row_resumes(tmp_path):
     # checkpoint_every < log_every: checkpoints on disk, and not one metrics row yet
     proc = _start(tmp_path, MLP, *LONG, "train.checkpoint_every=2", "train.log_every=100000")
@@ -105,7 +105,7 @@ def test_kill_9_before_the_first_metrics_row_resumes(tmp_path):
     assert len(read_metrics(run)) == 1
 
 
-@pytest.mark.slow  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
 def test_a_second_writer_is_refused_and_a_killed_writer_does_not_block(tmp_path):
     proc = _start(tmp_path, MLP, *LONG, "train.log_every=1", "train.checkpoint_every=5",
                   "train.keep_checkpoints=1000")
@@ -126,7 +126,7 @@ def test_a_second_writer_is_refused_and_a_killed_writer_does_not_block(tmp_path)
     RunLock.acquire(run).release()  # the kernel dropped the killed writer's lock: nothing stale blocks
 
 
-@pytest.mark.slow  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
 def test_ctrl_c_right_after_the_run_directory_is_made_marks_it_interrupted(tmp_path):
     proc = _start(tmp_path, MLP, *LONG)
     run = _wait_for(proc, "*/summary.json", tmp_path).parent  # the first file in a new run directory
@@ -156,7 +156,7 @@ sys.exit(main())
 """
 
 
-@pytest.mark.slow  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
 def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt_not_a_failure(tmp_path):
     marker, out = tmp_path / "saving", tmp_path / "runs"
     proc = subprocess.Popen(
@@ -177,7 +177,7 @@ def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt_not_a_failure(tmp_path)
     _resume_to(run, 6)
 
 
-@pytest.mark.slow  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     proc = _start(tmp_path, MLP, *LONG, "train.log_every=1", "train.checkpoint_every=5")
     _wait_for(proc, "*/checkpoints/step-00000005", tmp_path)
@@ -219,7 +219,7 @@ def _start_two(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, run
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_ctrl_c_gives_one_line_and_the_launcher_holds_the_lock(tmp_path):
     proc, run = _start_two(tmp_path)
     for extra in ([], ["--nproc", "2"]):  # a resume of the live run, in one process or two
@@ -235,7 +235,7 @@ def test_two_processes_ctrl_c_gives_one_line_and_the_launcher_holds_the_lock(tmp
     _resume_to(run, _newest_step(run) + 2)
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_sigterm_marks_the_run_interrupted(tmp_path):
     proc, run = _start_two(tmp_path)
     os.kill(proc.pid, signal.SIGTERM)
@@ -246,7 +246,7 @@ def test_two_processes_sigterm_marks_the_run_interrupted(tmp_path):
     assert load_checkpoint(Checkpoints(run).latest().path)["step"] >= 10
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_a_killed_rank_0_is_marked_failed_by_the_launcher(tmp_path):
     proc, run = _start_two(tmp_path)
     workers = _children(proc.pid)

@@ -115,7 +115,7 @@ def test_a_batch_plan_that_leaves_an_empty_micro_batch_is_refused_before_trainin
     assert not out.exists() or not any(out.iterdir())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_resume_with_other_accumulation_continues_the_same_training(tmp_path):
     whole = _run(tmp_path, "whole", "train.max_steps=14")
     part = _run(tmp_path, "part", "train.max_steps=6")  # stops mid-epoch (step 2 of epoch 1)
@@ -123,7 +123,7 @@ def test_a_resume_with_other_accumulation_continues_the_same_training(tmp_path):
     _assert_same_training(whole, part)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_kill_9_then_resume_across_epoch_ends_with_accumulation_is_bitwise(tmp_path, kill_9_at):
     args = [MLP, *SMALL, "train.max_steps=60", "train.accumulate=4", "train.checkpoint_every=7",
             "train.keep_checkpoints=2"]
@@ -138,7 +138,7 @@ def _kiln(*args: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_with_accumulation_and_a_resume_into_them_train_like_one(tmp_path):
     one = _run(tmp_path, "one", "train.max_steps=14")
     _kiln("train", MLP, *SMALL, "train.max_steps=14", "train.accumulate=2", "--nproc", "2",

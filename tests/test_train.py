@@ -58,7 +58,7 @@ def test_run_directory_is_complete(tmp_path, capsys):
     assert "step 30/30" in out  # plain progress lines when stdout is not a terminal
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_rerun_from_saved_config_is_bitwise_identical(tmp_path):
     first = _train(tmp_path, VIT, "train.max_steps=12", "model.depth=1", "train.log_every=4", "model.dropout=0.1")
     second = _train(tmp_path, str(first / "config.yaml"))
@@ -181,7 +181,7 @@ def _final(run: Path) -> dict:
     return load_checkpoint(run / "checkpoints" / "final")["model"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_switch_trains_bitwise_identically(tmp_path, mode):
     common = (VIT, "model.depth=3", "model.dropout=0.1", "train.max_steps=5")
@@ -192,7 +192,7 @@ def test_activation_checkpointing_switch_trains_bitwise_identically(tmp_path, mo
     assert all(torch.equal(plain[k], checkpointed[k]) for k in plain)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_compile_switch_matches_eager_and_reports_compile_time(tmp_path):
     common = (MLP, "train.max_steps=20", "train.log_every=20", "optim.lr=1e-3")
     eager = _train(tmp_path / "eager", *common)

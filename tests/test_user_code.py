@@ -75,6 +75,13 @@ def datasets(n: int, noise: float = 0.0, seed: int = 0):
 def collate(samples, scale: float = 1.0):
     xs, ys = zip(*samples)
     return torch.stack(xs) * scale, torch.stack(ys)
+
+
+def points(width: int, n: int = 16):
+    # (n, width) inputs and one of 2 classes each: what Toy(width) trains on (kiln plan runs its step)
+    x = torch.randn(n, width, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    return TensorDataset(x, y), TensorDataset(x[:4], y[:4])
 '''
 
 
@@ -459,12 +466,13 @@ def _plan(tmp_path: Path, launcher: str, config: Path) -> str:
 @pytest.mark.parametrize("launcher", ["script", "module"])
 def test_kiln_plan_builds_users_code_from_another_directory(tmp_path, launcher):
     toy = _toy(tmp_path / "cfgs")
-    path = _config(tmp_path / "cfgs" / "cfg.py", f"""from {toy} import Toy, ToyCfg
+    path = _config(tmp_path / "cfgs" / "cfg.py", f"""from {toy} import Toy, ToyCfg, points
 
 def build(width: int):
     return Toy(ToyCfg(width=width))
 
 model = L(build)(width=6)
+data = L(points)(width=6, batch_size=8, eval_batch_size=4)
 train = dict(max_steps=1)
 """)
     out = _plan(tmp_path, launcher, path)
@@ -475,8 +483,9 @@ train = dict(max_steps=1)
 def _nested_config(tmp_path: Path) -> Path:
     toy = _toy(tmp_path / "cfgs")
     return _config(tmp_path / "cfgs" / "cfg.py", f"""from torch import nn
-from {toy} import Toy, ToyCfg
+from {toy} import Toy, ToyCfg, points
 model = L(Toy)(cfg=L(ToyCfg)(width=3), blocks=[L(nn.Linear)(in_features=2, out_features=2)])
+data = L(points)(width=3, batch_size=8, eval_batch_size=4)
 train = dict(max_steps=1)
 """)
 

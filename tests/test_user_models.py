@@ -103,7 +103,7 @@ def test_checkpointed_blocks_of_a_cached_model_give_the_same_gradients(family):
 
 # ---- 2. every family trains as its plain loop, under AC and accumulation ------------------------
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_as_its_users_write_it_trains_like_its_plain_loop(tmp_path, family):
     """8 steps of 16 padded samples, 6 steps an epoch: one epoch end."""
@@ -217,7 +217,7 @@ FP64 = {"user": ["train.precision=fp64", "train.max_steps=8"],
         "qwen2": ["train.precision=fp64", "train.max_steps=8", "data.labels=false"]}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", list(FP64))
 def test_padded_accumulation_is_one_big_batch_in_fp64_across_an_epoch_end(tmp_path, family):
     one = _train(tmp_path, family, *FP64[family])
@@ -239,7 +239,7 @@ def _in_two_processes(rank: int, world: int, out: str, cases: list[tuple[str, li
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_every_family_in_two_processes_under_zero_0_to_3_and_tp_equals_one_process(tmp_path):
     """Two gloo processes, each family under ZeRO 0-3 (two ranks of 8 padded samples each, one
     step of 16), the planned ones under tp=2 too, whose last step evaluates a labelled HF LM on
@@ -415,7 +415,7 @@ def test_the_logged_lr_is_the_rate_the_step_ran_at(tmp_path):
     assert [float(r["lr"]) for r in rows] == pytest.approx([1e-2 * min(s, 5) / 5 for s in range(1, 8)])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_with_compile_the_compiling_step_is_not_counted_as_speed(tmp_path):
     run = _train(tmp_path, "user", "train.max_steps=6", "train.compile=true")
     rows = read_metrics(run)
