@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["CATEGORIES", "StorageTracker", "storages_of"]
 
@@ -48,8 +47,36 @@ def storages_of(t: Any) -> Iterator[torch.UntypedStorage]:
         if is_traceable_wrapper_subclass(obj):
             attrs, _ = obj.__tensor_flatten__()
             stack.extend(v for v in (getattr(obj, a) for a in attrs) if isinstance(v, torch.Tensor))
-        elif isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+        elif isinstance(obj, torch.Tensor) and not _on_meta(obj):
             yield obj.untyped_storage()
+
+
+def _on_meta(t: torch.Tensor) -> bool:
+    # a fake tensor's device, read without asking the dispatcher (t.device would come back
+    # through the tracker as prim.device: tens of thousands of calls in a big model's step)
+    fake_device = getattr(t, "fake_device", None)
+    return fake_device.type == "meta" if fake_device is not None else t.is_meta
+
+
+_QUERIES = {torch.ops.prim.device.default, torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default,
+            torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default, torch.ops.aten.dim.default,
+            torch.ops.aten.is_contiguous.default, torch.ops.aten.is_contiguous.memory_format,
+            torch.ops.aten.is_strides_like_format.default, torch.ops.aten.is_non_overlapping_and_dense.default,
+            torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.numel.default,
+            torch.ops.aten.storage_offset.default, torch.ops.prim.layout.default}
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in nested tuples, lists and mappings (an operator's arguments and outputs, a
+    batch): what ``tree_flatten`` finds, without its cost on every operator."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list, type({}.values()))):
+        for x in obj:
+            yield from _tensors_in(x)
+    elif isinstance(obj, dict) or (hasattr(obj, "keys") and hasattr(obj, "values") and not isinstance(obj, type)):
+        for x in obj.values():
+            yield from _tensors_in(x)
 
 
 def _is_collective(func: Any) -> bool:
@@ -76,6 +103,9 @@ class StorageTracker(TorchDispatchMode):
         self._next = 0
         self.count_flops = False  # add each operator's FLOPs to ``flops`` (torch.utils.flop_counter's formulas)
         self.flops = 0
+        # while counting, also: operators dispatched, and collectives with the bytes handed to them
+        # (what kiln tune's cost model charges for per-operator overhead and communication)
+        self.ops = self.collectives = self.collective_bytes = 0
 
     # ------------------------------------------------------------------ following storages
     def _key(self, st: torch.UntypedStorage) -> int | None:
@@ -87,9 +117,7 @@ class StorageTracker(TorchDispatchMode):
     def follow(self, *tensors: Any) -> list[int]:
         """Start following the storages of ``tensors`` (pytrees allowed); their keys."""
         keys = []
-        for t in tree_flatten(tensors)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors_in(tensors):
             for st in storages_of(t):
                 key = self._key(st)
                 if key is None:
@@ -144,10 +172,12 @@ class StorageTracker(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         kwargs = kwargs or {}
+        if func in _QUERIES:  # metadata, no tensor made
+            return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs its local ops, which come back through here
-        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if self.fake_mode is not None and flat and not any(_is_fake(t) or t.is_meta for t in flat):
+        flat = list(_tensors_in((args, kwargs.values())))
+        if self.fake_mode is not None and flat and not any(_is_fake(t) or _on_meta(t) for t in flat):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():  # the data's own arithmetic, for real
@@ -159,6 +189,10 @@ class StorageTracker(TorchDispatchMode):
         self.follow(out)
         if self.count_flops:
             self.flops += _flops(func, args, kwargs, out)
+            self.ops += 1
+            if _is_collective(func):
+                self.collectives += 1
+                self.collective_bytes += sum(t.numel() * t.element_size() for t in flat)
         return out
 
     @contextlib.contextmanager

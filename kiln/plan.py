@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "Plan", "RankPlan", "describe", "plan"]
+__all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "describe", "fit_problem", "machine_budget",
+           "parse_size", "plan"]
 
 
 def _state_tensors(optim_cfg: Any) -> int:
@@ -60,32 +61,6 @@ def _mb(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:,.1f} MB"
 
 
-def _per_rank(model: torch.nn.Module, cfg: Any, world: int) -> list[str]:
-    """The largest share of parameters, gradients and optimizer state any rank holds in the
-    config's dp x tp x pp layout (ZeRO dividing over dp), from parameter names alone."""
-    from kiln.parallel import check_parallel_config, stage_elements
-
-    layout = check_parallel_config(cfg, world)
-    par = cfg.parallel
-    params = list(model.named_parameters())
-    # the family's plans say which parameters split over tp and which stage holds each
-    stages = stage_elements(model, layout, sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
-                            pp_stages=par.pp_stages)
-    elems = max(stages)
-    size = params[0][1].element_size() if params else 4
-    state = _state_tensors(cfg.optim)
-    dp, zero = layout.dp, par.zero
-    p_b = elems * size / (dp if zero == 3 else 1)
-    g_b = elems * size / (dp if zero >= 2 else 1)
-    s_b = state * elems * size / (dp if zero >= 1 else 1)
-    return [
-        f"layout      {layout} = {layout.world} process(es), zero={zero}"
-        + (f", {par.pp_schedule} over {par.microbatches or 2 * layout.pp} micro-batches" if layout.pp > 1 else ""),
-        f"per rank    parameters {_mb(p_b)} + gradients {_mb(g_b)} + {cfg.optim.name} state {_mb(s_b)} = "
-        f"{_mb(p_b + g_b + s_b)} on the fullest rank",
-    ]
-
-
 def _precision_lines(tc: Any) -> list[str]:
     """This machine (what its CPU computes natively) and the precision the config trains in here."""
     from kiln.hardware import machine_line
@@ -103,8 +78,9 @@ def _precision_lines(tc: Any) -> list[str]:
     return lines + [f"precision   {mode} on {device.type}" + (f" (warning: {note})" if note else "")]
 
 
-def describe(cfg: Any, world: int | None = None) -> str:
-    """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x pp)."""
+def describe(cfg: Any, world: int | None = None, planned: "Plan | None" = None) -> str:
+    """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x
+    pp); ``planned``: its :func:`plan`, shown rank by rank."""
     from kiln.parallel import check_parallel_config
     from kiln.train import build_model, check_model
 
@@ -127,8 +103,8 @@ def describe(cfg: Any, world: int | None = None) -> str:
         f"model       {model_name}: {n_total:,} parameters ({n_train:,} trainable), "
         f"{len(params)} tensors",
         f"memory      parameters {_mb(n_bytes)} + gradients {_mb(grad_bytes)} + "
-        f"{cfg.optim.name} state {_mb(state_bytes)} = {_mb(n_bytes + grad_bytes + state_bytes)}"
-        " (activations not included)",
+        f"{cfg.optim.name} state {_mb(state_bytes)} = {_mb(n_bytes + grad_bytes + state_bytes)} (the whole model"
+        + ("; each rank's step below)" if planned is not None else ")"),
         f"batch       {dc.batch_size} samples per step = {tc.accumulate} micro-batch(es) of {micro}",
         f"optimizer   {cfg.optim.name} lr {cfg.optim.lr:g}, schedule {cfg.optim.schedule}, "
         f"contiguous arena {'on' if cfg.optim.contiguous else 'off'}",
@@ -136,12 +112,57 @@ def describe(cfg: Any, world: int | None = None) -> str:
         "length      " + (f"{tc.max_steps} steps" if tc.max_steps is not None else f"{tc.epochs} epochs"),
         *_precision_lines(tc),
     ]
-    pc = cfg.parallel
-    if world is None:
-        world = (pc.dp or 1) * pc.tp * pc.pp
-    if world > 1:
-        lines += _per_rank(model, cfg, world)
+    if planned is not None:
+        lines += _plan_lines(cfg, planned)
     return "\n".join(lines)
+
+
+def _plan_lines(cfg: Any, planned: "Plan") -> list[str]:
+    """The layout, the fullest rank's memory between steps, and each distinct rank's step peak
+    by category, in MB, one row per group of ranks that hold the same."""
+    layout, par = planned.layout, cfg.parallel
+    full = planned.ranks[planned.fullest_rank]
+    held = full.between_steps
+    kept = [held.get(c, 0) for c in ("parameters", "gradients", "optimizer_state")]
+    lines = [
+        f"layout      {layout} = {layout.world} process(es), zero={par.zero}"
+        + (f", {par.pp_schedule} over {par.microbatches or 2 * layout.pp} micro-batches" if layout.pp > 1 else ""),
+        f"per rank    parameters {_mb(kept[0])} + gradients {_mb(kept[1])} + {cfg.optim.name} state {_mb(kept[2])} = "
+        f"{_mb(sum(kept))} between steps on the fullest rank"
+        + (f" (fp32 masters {_mb(full.fp32_masters)} in the state)" if full.fp32_masters else ""),
+        f"step peak   a steady step traced on fake tensors ({planned.precision}), in {planned.seconds:.1f} s; MB:",
+    ]
+    heads = ("peak", "params", "grads", "optim", "activ", "temp", "comm")
+    groups: dict[int, list[int]] = {}
+    for r in planned.ranks:
+        groups.setdefault(r.traced_as, []).append(r.rank)
+    rows = []
+    for traced, members in groups.items():
+        r = planned.ranks[traced]
+        rows.append((_ranges(members), [r.peak_bytes, *(getattr(r, c) for c in CATEGORIES)]))
+    width = max(7, *(len(name) for name, _ in rows))
+    lines.append("  " + "ranks".ljust(width) + "".join(h.rjust(10) for h in heads))
+    lines += ["  " + name.ljust(width) + "".join(f"{v / 2**20:10,.1f}" for v in values) for name, values in rows]
+    lines.append(f"fullest     rank {full.rank}: {_mb(full.peak_bytes)} peak; "
+                 f"{_flops(planned.flops_per_step)} per step over all ranks")
+    return lines
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, [*ranks[1:], None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(out)
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} FLOP"
 
 
 # --------------------------------------------------------------------------- the traced plan
@@ -170,11 +191,15 @@ class RankPlan:
     between_steps: dict[str, int]
     flops: int  # this rank's FLOPs in the step (recomputation under checkpointing included)
     traced_as: int  # the rank whose trace this is (itself, or one of the same stage)
+    ops: int = 0  # operators this rank dispatches in the step
+    collectives: int = 0  # collectives it calls in the step, and the bytes it hands them
+    collective_bytes: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, **{c: getattr(self, c) for c in CATEGORIES},
                 "fp32_masters": self.fp32_masters, "between_steps": self.between_steps, "flops": self.flops,
-                "coords": self.coords, "traced_as": self.traced_as}
+                "coords": self.coords, "traced_as": self.traced_as, "ops": self.ops,
+                "collectives": self.collectives, "collective_bytes": self.collective_bytes}
 
 
 @dataclass
@@ -185,6 +210,7 @@ class Plan:
     precision: str
     ranks: list[RankPlan]
     seconds: float  # the time the traces took
+    device: str = "cpu"  # the device type the run trains on
 
     @property
     def fullest_rank(self) -> int:
@@ -204,7 +230,7 @@ class Plan:
         return {"ranks": [r.as_json() for r in self.ranks], "fullest_rank": self.fullest_rank,
                 "peak_bytes": self.peak_bytes, "flops_per_step": self.flops_per_step,
                 "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}, "world": layout.world,
-                "precision": self.precision, "trace_seconds": round(self.seconds, 3)}
+                "precision": self.precision, "device": self.device, "trace_seconds": round(self.seconds, 3)}
 
 
 def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | None = None) -> Plan:
@@ -219,6 +245,7 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
 
     import torch.distributed as dist
 
+    from kiln.errors import ConfigError
     from kiln.parallel import check_parallel_config
 
     started = time.perf_counter()
@@ -244,6 +271,10 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
                 traced[rank] = _trace_rank(cfg, layout, rank, device, mailbox)
             except _NeedsShapes:
                 deferred.append(rank)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (what the run would raise, in one line)
+                raise _trace_error(exc, rank, layout) from exc
         if deferred == waiting:
             raise RuntimeError(f"kiln plan: the pipeline stages of ranks {deferred} wait for each other's shapes")
         waiting = deferred
@@ -252,13 +283,54 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
         source, mode = traced[stage_ranks[layout.coords(rank)["pp"]]]
         ranks.append(RankPlan(**{**source.__dict__, "rank": rank, "coords": layout.coords(rank),
                                  "traced_as": source.rank}))
-    return Plan(layout=layout, precision=mode, ranks=ranks, seconds=time.perf_counter() - started)
+    return Plan(layout=layout, precision=mode, ranks=ranks, seconds=time.perf_counter() - started, device=device.type)
 
 
 def _plan_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")  # fake CUDA tensors need no GPU
     return torch.device(name if name != "auto" else "cpu")
+
+
+_DATA: dict[str, Any] = {}  # the loaders of the last few configs planned (tune plans many alike)
+
+
+def _data(cfg: Any, device: torch.device, rank: int, world: int) -> Any:
+    """``build_data`` of the config's data for data-parallel ``rank`` of ``world``, built once
+    for the configs that share it (its data set may take seconds to make)."""
+    from kiln.train._build import build_data
+
+    tc = cfg.train
+    key = f"{cfg.data!r}|{tc.seed}|{tc.accumulate}|{device}|{rank}|{world}"
+    if key not in _DATA:
+        if len(_DATA) >= 4:
+            del _DATA[next(iter(_DATA))]
+        _DATA[key] = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
+                                rank=rank, world_size=world)
+    return _DATA[key]
+
+
+class PlanUnavailable(RuntimeError):
+    """The step cannot be traced on fake tensors (the model reads its tensors' values, or uses
+    an operator without a fake kernel); nothing is wrong with the config."""
+
+
+def _trace_error(exc: BaseException, rank: int, layout: Any) -> Exception:
+    """What a failed trace means: a config error that kiln train would meet too (a shape that
+    does not fit, a layout a module refuses), or :class:`PlanUnavailable`."""
+    from torch._subclasses import fake_tensor
+
+    from kiln.errors import ConfigError
+
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+              fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
+    if isinstance(exc, limits):
+        return PlanUnavailable(f"the step cannot be traced on fake tensors ({type(exc).__name__}: {first}); "
+                               "its memory is known only by running it")
+    where = f"rank {rank} ({', '.join(f'{k}={v}' for k, v in layout.coords(rank).items())})" \
+        if layout.world > 1 else "the step"
+    return ConfigError(f"the dry run of {where} failed as kiln train would: {type(exc).__name__}: {first}")
 
 
 class _NeedsShapes(Exception):
@@ -269,7 +341,6 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                 mailbox: dict[Any, Any]) -> tuple[RankPlan, str]:
     """Set up ``rank`` as kiln train would, on fake tensors with a fake process group, run two
     steps, and read the second one's peak."""
-    import gc
     import warnings
 
     import torch.distributed as dist
@@ -279,7 +350,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
     from kiln.hf import deferred_weights, materialize, meta_parameters
     from kiln.precision import Precision
     from kiln.train._batches import Batches
-    from kiln.train._build import build_data, build_model, build_scheduler, build_task, check_model
+    from kiln.train._build import build_model, build_scheduler, build_task, check_model
     from kiln.train._setup import Meter, _check_steps, _to, lay_out
     from kiln.train._batches import steps_per_epoch
     from kiln.train.loop import train_step
@@ -298,8 +369,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
             precision = Precision(tc.precision, device)
-            data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
-                              rank=coords["dp"], world_size=layout.dp)
+            data = _data(cfg, device, coords["dp"], layout.dp)
             _check_steps(cfg, data, layout, steps_per_epoch(data.train, tc.accumulate))
             step = next(Batches(data.train, tc.accumulate, cfg.data.batch_size))
             with deferred_weights(), meta_parameters():  # parameters on meta: no memory, no init
@@ -319,7 +389,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             with fake, tracker, tracker.resizes():
                 par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
-            with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox):
+            with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox), _row_norms():
                 scheduler = build_scheduler(cfg.optim, optimizer, 2)
                 run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
                                device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
@@ -344,13 +414,13 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                 rank=rank, coords=coords, peak_bytes=peak, **_split(live, roles, tracker),
                 fp32_masters=sum(b for k, b in live.items() if k in roles["masters"]),
                 between_steps={c: v for c, v in _split(base, roles, tracker).items() if v},
-                flops=tracker.flops, traced_as=rank)
+                flops=tracker.flops, traced_as=rank, ops=tracker.ops, collectives=tracker.collectives,
+                collective_bytes=tracker.collective_bytes)
             return result, precision.mode
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
             _forget_meshes()
-        gc.collect()
 
 
 def _forget_meshes() -> None:
@@ -427,6 +497,43 @@ def _split(live: dict[int, int], roles: dict[str, set[int]], tracker: Any) -> di
 
 
 @contextlib.contextmanager
+def _row_norms() -> Iterator[None]:
+    """The one stand-in of the trace: kiln's blocked norm (the clip's, LAMB's) reduces a long
+    tensor's 64 Ki-element rows as a list of views, which costs a fake operator per row (5,400
+    for a 354 M-parameter arena, minutes for 7 B); here each long tensor's rows are one
+    reduction over a (rows, BLOCK) view. The same norms in the same dtype; the few kilobytes
+    of per-row results are one tensor instead of many."""
+    import math
+
+    from kiln.optim import _base, _clip, _norms
+
+    def tensor_norms(tensors: list[torch.Tensor], p: float = 2.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        p = float(p)
+        if not tensors or not (p > 0 and any(t.numel() > _norms.BLOCK for t in tensors)):
+            return original(tensors, p, dtype)
+        dtype = dtype or torch.promote_types(tensors[0].dtype, torch.float32)
+        out = []
+        for t in tensors:
+            flat = t.reshape(-1)
+            full = flat.numel() // _norms.BLOCK * _norms.BLOCK
+            if full == 0:
+                out.append(torch.linalg.vector_norm(flat, p, dtype=dtype))
+                continue
+            rows = torch.linalg.vector_norm(flat[:full].view(-1, _norms.BLOCK), p, dim=1, dtype=dtype)
+            if full < flat.numel():
+                rows = torch.cat([rows, torch.linalg.vector_norm(flat[full:], p, dtype=dtype).reshape(1)])
+            out.append(rows.max() if math.isinf(p) else rows.pow(p).sum().pow(1.0 / p))
+        return torch.stack(out)
+
+    original = _norms.tensor_norms
+    _base.tensor_norms = _clip.tensor_norms = _norms.tensor_norms = tensor_norms
+    try:
+        yield
+    finally:
+        _base.tensor_norms = _clip.tensor_norms = _norms.tensor_norms = original
+
+
+@contextlib.contextmanager
 def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
     """torch's pipeline stages learn each other's shapes by exchanging them (a vote, then
     metadata sent stage to stage), which a fake process group cannot carry. In the dry run
@@ -462,3 +569,60 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(cls, name, fn)
+
+
+# --------------------------------------------------------------------------- budgets
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``8GB``, ``512MiB``, ``1.5G`` or ``1000000`` (units are powers of
+    1024, as memory is sold and reported); ValueError naming the forms it takes."""
+    import re
+
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = found.group(2).upper() if found else None
+    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a memory size; write e.g. 8GB, 512MB or 1.5GiB")
+    return int(float(found.group(1)) * _UNITS[unit])
+
+
+def machine_budget(device: torch.device | str, processes: int) -> int | None:
+    """The memory each of ``processes`` local processes can have here: on CPU the memory
+    available now (``MemAvailable``) divided among them, on CUDA the GPU's total; None where
+    it is not known (a device this machine does not have)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024 // max(1, processes)
+
+
+def fit_problem(planned: Plan, budget: int, where: str) -> str | None:
+    """None when the fullest rank's peak fits ``budget`` bytes; else one line naming the peak
+    and what would bring it under (``where``: what the budget is, e.g. "--memory-budget 8GB")."""
+    full = planned.ranks[planned.fullest_rank]
+    if full.peak_bytes <= budget:
+        return None
+    layout = planned.layout
+    states = full.parameters + full.gradients + full.optimizer_state
+    moves = []
+    if full.activations + full.temporary > states:  # the step's own tensors dominate
+        moves += ["activation checkpointing (train.activation_checkpointing=full)",
+                  "a smaller micro-batch (a larger train.accumulate keeps the global batch)"]
+    if layout.dp > 1 and planned.ranks and states > budget / 4:
+        moves.append("ZeRO-3 (parallel.zero=3)")
+    moves.append(f"more processes (--nproc {2 * layout.world}, with ZeRO or tensor/pipeline parallel)")
+    if full.activations + full.temporary <= states:
+        moves.append("activation checkpointing or a smaller micro-batch")
+    return (f"the plan's fullest rank {full.rank} peaks at {_mb(full.peak_bytes)} (model states {_mb(states)}, "
+            f"activations and temporaries {_mb(full.activations + full.temporary)}), over {where} "
+            f"({_mb(budget)} a rank); to fit, try {', '.join(moves[:3])}")

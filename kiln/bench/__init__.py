@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "hf": ("kiln.bench.hf", "a Hugging Face GPT-2 trained by kiln train (fp32, compile, bf16-mixed) vs the transformers Trainer: samples/s"),
     "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT, or --family llama (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
     "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, compile, batch, bf16-true"),
+    "plan": ("kiln.bench.plan", "kiln plan's predicted peak memory of a training step against the allocator's record: "
+             "5 model families x precision x activation checkpointing x micro-batch x layouts (ZeRO 0-3, tp, pp, tp x pp)"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
 }
 

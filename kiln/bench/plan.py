@@ -1,0 +1,186 @@
+"""``kiln bench plan``: ``kiln plan``'s predicted peak memory against the measured one, over a
+grid of models, precisions, activation checkpointing, micro-batches and layouts.
+
+Each row is planned (:func:`kiln.plan.plan`: kiln's set-up and two steps traced on fake tensors
+with a fake process group) and then run for real: kiln's own set-up (``kiln.train.setup``) and
+two training steps, in this process (one rank) or in N gloo processes
+(:func:`kiln.parallel.testing.run_distributed`). The measured figure is what ``summary.json``'s
+``peak_tensor_memory_mb`` measures, taken over the second (steady) step only: the bytes the
+model and optimizer hold as the step starts, plus the highest running sum of the CPU
+allocator's allocations and frees that ``torch.profiler.profile(profile_memory=True)`` records
+during it (:class:`kiln.train._memory.TensorMemory`). Every rank is compared; the table shows
+the fullest rank of each row, and the error of the worst rank.
+
+The models are small (a step takes milliseconds to a second on 2 cores) so the whole grid runs
+in minutes: kiln's ViT, GPT and BERT, and Hugging Face GPT-2 and Llama (``transformers``,
+random weights, no download).
+
+    python -m kiln bench plan          # or run(Path("out"), quick=True)
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, target
+
+__all__ = ["run", "measure", "measured_peaks", "compare", "config_of", "row", "GRID", "QUICK_GRID"]
+
+TOLERANCE = 0.05  # every row within 5% of the measured peak
+
+_DIR = "configs"
+_CONFIGS = {  # family -> (config file, overrides that make it small)
+    "vit": ("digits_vit.py", ["model.depth=2"]),
+    "gpt": ("gpt_tiny.py", ["model.depth=4"]),
+    "bert": ("bert_tiny.py", []),
+    "hf-gpt2": ("hf_gpt2_tiny.py", []),
+    "hf-llama": ("hf_llama_tiny.py", []),
+}
+
+
+_SMALL = {  # family -> overrides for a model of one block a stage, and short sequences
+    "gpt": lambda pp: [f"model.depth={pp}", "model.seq_len=32", "data.args.seq_len=32"],
+    "bert": lambda pp: [f"model.depth={pp}", "model.seq_len=32", "data.args.seq_len=32"],
+    "vit": lambda pp: [f"model.depth={pp}"],
+}
+
+
+def row(family: str, precision: str = "fp32", ac: str = "none", micro: int = 4, world: int = 1, *,
+        small: bool = False, **parallel: Any) -> dict[str, Any]:
+    """One configuration of the grid: ``micro`` samples per micro-batch on each data-parallel
+    rank, ``parallel`` keys (``zero``, ``tp``, ``pp``, ``pp_schedule``); ``small``: one or two
+    blocks and short sequences (the fast tier's test)."""
+    layout = ", ".join(f"{k}={v}" for k, v in parallel.items()) or "-"
+    label = f"{family} {precision} ac={ac} micro={micro}" + (f" x{world} {layout}" if world > 1 else "")
+    return {"family": family, "precision": precision, "ac": ac, "micro": micro, "world": world,
+            "parallel": parallel, "layout": layout, "small": small, "label": label}
+
+
+# the grid of the issue: families x precision x AC x micro-batch, and the layouts at --nproc 2/4
+GRID: list[dict[str, Any]] = [
+    *[row(f, p) for f in _CONFIGS for p in ("fp32", "bf16-mixed", "bf16-true")],
+    *[row(f, "fp32", ac) for f in ("vit", "gpt", "bert", "hf-llama") for ac in ("full", "selective")],
+    *[row(f, "fp32", "none", m) for f in ("gpt", "vit") for m in (1, 16)],
+    *[row("gpt", "fp32", "none", 4, 2, zero=z) for z in (0, 1, 2, 3)],
+    row("gpt", "fp32", "none", 4, 2, tp=2),
+    row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule="gpipe"),
+    row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule="1f1b"),
+    row("gpt", "fp32", "none", 4, 4, tp=2, pp=2),
+    row("hf-llama", "fp32", "none", 4, 2, zero=2),
+    row("hf-llama", "fp32", "none", 4, 2, tp=2),
+    row("bert", "bf16-mixed", "full", 4, 2, zero=3),
+]
+# a few seconds: the fast tier's test
+QUICK_GRID: list[dict[str, Any]] = [
+    row("gpt", "fp32", small=True),
+    row("gpt", "bf16-true", "full", small=True),
+    row("gpt", "fp32", "none", 4, 2, zero=2, small=True),
+]
+
+
+def config_of(case: dict[str, Any]) -> Any:
+    """The config of a row of the grid: the family's bundled config, small, with the row's settings."""
+    from pathlib import Path
+
+    from kiln.config import load_config
+
+    path, small = _CONFIGS[case["family"]]
+    root = Path(__file__).resolve().parents[2] / _DIR
+    batch = case["micro"] * (case["world"] // _model_ranks(case))
+    keys = [*small, f"train.precision={case['precision']}", f"train.activation_checkpointing={case['ac']}",
+            f"data.batch_size={batch}", "train.accumulate=1", "train.max_steps=2", "train.eval_every=0",
+            "train.log_every=1", "train.progress=none", "data.workers=0", "train.checkpoint_every=0",
+            *(f"parallel.{k}={v}" for k, v in case["parallel"].items())]
+    if case["parallel"].get("pp", 1) > 1:
+        keys.append("model.tie_embeddings=false")
+    if case["small"]:
+        keys += _SMALL[case["family"]](case["parallel"].get("pp", 1))
+    return load_config(root / path, keys)
+
+
+def _model_ranks(case: dict[str, Any]) -> int:
+    return case["parallel"].get("tp", 1) * case["parallel"].get("pp", 1)
+
+
+def _measure_rank(rank: int, world: int, cfg: Any) -> int:
+    """Set up ``cfg`` as kiln train does, train one step, and measure the second: the peak of
+    live tensor bytes (``TensorMemory``, as ``summary.json`` measures it)."""
+    import torch
+
+    from kiln.train._memory import TensorMemory
+    from kiln.train._setup import setup
+    from kiln.train.loop import train_step
+
+    with tempfile.TemporaryDirectory() as out:
+        run = setup(cfg, run_dir=f"{out}/run") if rank == 0 else setup(cfg)
+        try:
+            run.model.train()
+            train_step(run, next(run.batches))
+            memory = TensorMemory(run.device, (run.par.model, run.optimizer))
+            with memory.step():
+                train_step(run, next(run.batches))
+            return int(memory.peak_bytes)
+        finally:
+            run.progress.close()
+            run.out.close()
+            torch.set_num_threads(torch.get_num_threads())
+
+
+def measured_peaks(cfg: Any, world: int) -> list[int]:
+    """The steady step's peak of live tensor bytes on each of ``world`` ranks, run for real."""
+    if world == 1:
+        return [_measure_rank(0, 1, cfg)]
+    from kiln.parallel.testing import run_distributed
+
+    return run_distributed(_measure_rank, world, cfg, timeout_s=600)
+
+
+def compare(case: dict[str, Any]) -> dict[str, Any]:
+    """Plan and measure one row of the grid; the row with both peaks and the errors."""
+    from kiln.plan import plan
+
+    cfg = config_of(case)
+    planned = plan(cfg, case["world"])
+    measured = measured_peaks(cfg, case["world"])
+    errors = [p.peak_bytes / m - 1 for p, m in zip(planned.ranks, measured)]
+    worst = max(range(len(errors)), key=lambda i: abs(errors[i]))
+    fullest = max(range(len(measured)), key=lambda i: measured[i])
+    r = planned.ranks[fullest]
+    return {**case, "predicted_mb": r.peak_bytes / 2**20, "measured_mb": measured[fullest] / 2**20,
+            "error": errors[fullest], "worst_error": errors[worst], "worst_rank": worst,
+            "plan_s": planned.seconds, "precision_ran": planned.precision,
+            **{f"{c}_mb": getattr(r, c) / 2**20 for c in ("parameters", "gradients", "optimizer_state",
+                                                             "activations", "temporary", "communication")},
+            "ranks": [{"rank": i, "predicted_bytes": p.peak_bytes, "measured_bytes": m}
+                      for i, (p, m) in enumerate(zip(planned.ranks, measured))]}
+
+
+def measure(quick: bool = False) -> Result:
+    rows = [compare(case) for case in (QUICK_GRID if quick else GRID)]
+    worst = max(rows, key=lambda r: abs(r["worst_error"]))
+    cols = [Col("model", "family", group=True), Col("precision", "precision"), Col("AC", "ac"),
+            Col("micro", "micro"), Col("ranks", "world"), Col("layout", "layout"),
+            Col("predicted MB", "predicted_mb", ".2f"), Col("measured MB", "measured_mb", ".2f"),
+            Col("error", "error", "+.1%"), Col("worst rank", "worst_error", "+.1%"),
+            Col("params", "parameters_mb", ".2f"), Col("grads", "gradients_mb", ".2f"),
+            Col("optim", "optimizer_state_mb", ".2f"), Col("activ", "activations_mb", ".2f"),
+            Col("temp", "temporary_mb", ".2f"), Col("comm", "communication_mb", ".2f"),
+            Col("plan s", "plan_s", ".1f")]
+    return Result(
+        report={"rows": rows, "worst": {"row": worst["label"], "error": worst["worst_error"]}},
+        tables=[Table(rows, cols, title="kiln plan's predicted peak of a steady step against the allocator's record "
+                                        "(fullest rank; 'worst rank': the largest error over the row's ranks)")],
+        title="kiln plan: predicted vs measured peak tensor memory",
+        chart=[Bars("peak tensor memory (MB)", rows, "label", {"measured": "measured_mb"},
+                    marks={"predicted": "predicted_mb"}, horizontal=True, label="MB")],
+        targets={"worst_error": target(abs(worst["worst_error"]), TOLERANCE, row=worst["label"])},
+        notes=["measured: live tensor bytes at the start of the second step (model, gradients, optimizer state) plus "
+               "the highest running sum of the profiler's CPU allocations and frees during it; predicted: kiln plan's "
+               "trace of the same set-up and step on fake tensors",
+               "categories are the predicted peak's: the fp32 master weights of bf16-true count as optimizer state"],
+        processes=max(r["world"] for r in rows),
+    )
+
+
+run = benchmark("plan", measure)

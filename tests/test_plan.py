@@ -1,0 +1,126 @@
+"""kiln plan (issue 26): the traced step's peak against the allocator's record, the JSON names
+outside checks use, the dry run's errors, the budget line, and the cost of planning big models.
+
+Numbers compared here pin ``train.precision`` (``auto`` differs by CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.bench.plan import compare, row
+from kiln.cli import main
+from kiln.plan import CATEGORIES, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "configs" / "gpt_tiny.py")
+VIT = str(ROOT / "configs" / "digits_vit.py")
+
+
+@pytest.mark.parametrize("case", [
+    row("gpt", "fp32", small=True),
+    row("gpt", "bf16-true", "full", small=True),
+    row("vit", "bf16-mixed", "selective", micro=16, small=True),
+], ids=lambda r: r["label"])
+def test_plan_matches_the_allocator(case):
+    # planned on fake tensors against one real step's allocations and frees (the profiler's record)
+    result = compare(case)
+    assert abs(result["worst_error"]) < 0.01, result
+    # the categories are the peak's, and add up to it
+    assert sum(result[f"{c}_mb"] for c in CATEGORIES) == pytest.approx(result["predicted_mb"], rel=1e-9)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [
+    row("gpt", "fp32", world=2, zero=2, small=True),
+    row("gpt", "fp32", world=2, pp=2, pp_schedule="1f1b", small=True),
+    row("gpt", "fp32", world=2, tp=2, small=True),
+], ids=lambda r: r["label"])
+def test_plan_matches_the_allocator_on_every_rank_of_a_layout(case):
+    result = compare(case)
+    assert abs(result["worst_error"]) < 0.05, result
+
+
+def test_plan_json_has_every_rank_and_the_names_outside_checks_use(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", GPT, "--nproc", "4", "parallel.zero=1", "train.precision=fp32", "model.depth=1",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert [r["rank"] for r in plan["ranks"]] == [0, 1, 2, 3]
+    for r in plan["ranks"]:
+        assert r["peak_bytes"] == sum(r[c] for c in CATEGORIES) > 0
+        assert r["parameters"] > 0 and r["activations"] > 0
+    assert plan["fullest_rank"] in range(4) and plan["flops_per_step"] > 0
+    # ZeRO-1: the fullest rank keeps a quarter of AdamW's two moments between steps
+    kept = plan["ranks"][0]["between_steps"]
+    assert kept["optimizer_state"] == pytest.approx(kept["parameters"] / 2, rel=0.05)
+    assert "step peak" in text and "0-3" in text and "fullest     rank" in text
+
+
+@pytest.mark.e2e
+def test_a_pipeline_plans_each_stage(capsys):
+    assert main(["plan", GPT, "--nproc", "2", "parallel.pp=2", "train.precision=fp32", "model.depth=2",
+                 "parallel.microbatches=2"]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.startswith("  ") and line.split()[0] in ("0", "1")]
+    assert len(rows) == 2 and rows[0][1] != rows[1][1]  # the stages differ: embedding and head
+
+
+def test_the_dry_run_catches_a_shape_error_at_64_ranks(capsys):
+    # the patch embedding expects 16x16 images and digits are 8x8: no static check can know
+    started = time.perf_counter()
+    code = main(["plan", VIT, "--nproc", "64", "model.image_size=16", "model.depth=1", "train.precision=fp32"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "dry run of rank 0 (pp=0, dp=0, tp=0) failed as kiln train would" in err
+    assert time.perf_counter() - started < 60
+
+
+def test_a_plan_over_budget_is_one_line_naming_the_peak_and_the_way_out(capsys):
+    code = main(["plan", GPT, "train.precision=fp32", "model.depth=1", "--memory-budget", "1MB"])
+    captured = capsys.readouterr()
+    assert "step peak" in captured.out  # the plan is shown, then refused
+    err = captured.err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "peaks at" in err and "--memory-budget 1MB" in err and "activation checkpointing" in err
+    assert main(["plan", GPT, "--memory-budget", "lots"]) == 2
+    assert "is not a memory size" in capsys.readouterr().err
+
+
+def test_parse_size():
+    assert parse_size("8GB") == 8 * 2**30 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5G") == int(1.5 * 2**30) and parse_size("1000") == 1000
+    for bad in ("-1GB", "8 parsecs", ""):
+        with pytest.raises(ValueError, match="not a memory size"):
+            parse_size(bad)
+
+
+_BIG = """
+import json, resource, sys, time
+from kiln.config import load_config
+from kiln.plan import plan
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+p = plan(load_config(sys.argv[1], sys.argv[2:]))
+print(json.dumps({"seconds": time.perf_counter() - t, "peak": p.peak_bytes, "params": p.ranks[0].parameters,
+                  "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before}))
+"""
+
+
+@pytest.mark.e2e
+def test_a_1b_gpt_plans_in_seconds_without_allocating_it():
+    # 1.2 B parameters (4.9 GB of fp32 weights, 20 GB with AdamW): never allocated
+    out = subprocess.run([sys.executable, "-c", _BIG, GPT, "model.dim=2048", "model.depth=24", "model.heads=16",
+                          "model.vocab_size=50304", "model.seq_len=1024", "data.args.seq_len=1024",
+                          "data.args.num_samples=64", "data.batch_size=4", "train.precision=bf16-mixed"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["params"] > 4.5e9  # the plan holds the whole model's fp32 weights ...
+    assert got["seconds"] < 30 and got["rss_kib"] < 2**20  # ... in seconds, and under 1 GB of memory
