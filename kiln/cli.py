@@ -86,6 +86,31 @@ examples:
 """
 
 
+_TUNE_HELP = """\
+Without --memory-budget: train the config for a few steps under each combination of speed
+settings (train.precision fp32/bf16-mixed, optim.contiguous true/false, data.workers 0/auto, and
+with --compile train.compile false/true), print samples/s for each, fastest first, and the
+overrides to use. Measured here, not estimated.
+
+With --memory-budget SIZE: the fastest configuration whose peak tensor memory fits SIZE in each
+of --nproc N processes. It searches dp x tp x pp (tp and pp where the model family has plans),
+parallel.zero, train.accumulate (the micro-batch; data.batch_size stays the global batch),
+train.activation_checkpointing, train.precision (fp32, bf16-mixed) and with --compile
+train.compile. Candidates are planned on fake tensors (as kiln plan does), those over the budget
+dropped without running, the rest ranked by a cost model (the plan's FLOPs, operators and
+collective bytes against this machine's measured matmul, operator and all-reduce speeds, measured
+once and cached), and the --trials best timed with kiln train --nproc N for --steps steps. It
+prints the pick with its predicted and measured peak and speed, and the kiln train line to use.
+A searched key given as KEY=VALUE is kept, not searched. When nothing fits: one line naming the
+smallest predicted peak and what would make it fit, exit status 2.
+
+examples:
+  kiln tune configs/digits_vit.py --steps 50
+  kiln tune configs/gpt_tiny.py --nproc 2 --memory-budget 20MB --json tune.json
+  kiln tune configs/gpt_tiny.py --nproc 2 --memory-budget 1GB train.precision=fp32
+"""
+
+
 _EXPORT_HELP = """\
 Write a run's model, at one of its checkpoints, in another layout. --to hf DIR writes the
 Hugging Face layout (config.json and safetensors, with save_pretrained) that transformers'
@@ -161,18 +186,27 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     tune = sub.add_parser(
-        "tune", help="measure speed settings on this machine and recommend the fastest",
-        description="Train the config for a few steps under each combination of speed settings "
-        "(train.precision fp32/bf16-mixed, optim.contiguous true/false, data.workers 0/auto, and with "
-        "--compile train.compile false/true), print samples/s for each, fastest first, and the "
-        "overrides to use. Measured here, not estimated.\n\nexample:\n"
-        "  kiln tune configs/digits_vit.py --steps 50",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "tune", help="find the fastest settings on this machine (with --memory-budget: the fastest layout that fits)",
+        description=_TUNE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tune.add_argument("config", metavar="CONFIG", help="config file: .py or .yaml")
-    tune.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides kept in every trial")
-    tune.add_argument("--steps", type=int, default=30, help="training steps per trial (default: 30)")
+    tune.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                      help="config overrides kept in every trial; with --memory-budget a searched key given here "
+                      "is pinned to its value")
+    tune.add_argument("--steps", type=int, default=None,
+                      help="training steps per trial (default: 30; with --memory-budget 12)")
     tune.add_argument("--compile", action="store_true", help="also try train.compile=true (slow to compile)")
+    tune.add_argument("--memory-budget", metavar="SIZE",
+                      help="peak tensor memory a process may use, e.g. 8GB, 512MB, 1.5GiB: search the layout, ZeRO "
+                      "stage, micro-batch, activation checkpointing and precision for the fastest that fits")
+    tune.add_argument("--nproc", type=int, default=1, metavar="N", help="with --memory-budget: the processes the run "
+                      "will train with (kiln train --nproc N); the layouts searched are the splits of N")
+    tune.add_argument("--trials", type=int, default=3, metavar="K",
+                      help="with --memory-budget: how many of the best predicted configurations to time (default 3)")
+    tune.add_argument("--plan-all", action="store_true",
+                      help="with --memory-budget: plan every candidate, not only those the cost model ranks first")
+    tune.add_argument("--json", metavar="FILE", help="with --memory-budget: write pick and candidates (overrides, "
+                      "predicted_peak_bytes, measured_peak_bytes, samples_per_second) as JSON")
     tune.set_defaults(func=_cmd_tune)
 
     report = sub.add_parser(
@@ -295,17 +329,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from kiln.tune import table, tune
-
-    if args.steps < 2:
-        raise _UsageError(f"--steps {args.steps}: give at least 2 steps per trial")
     from kiln.hardware import machine_line
 
-    # what is fastest depends on the hardware: bf16 pays only where it is native
+    if args.steps is not None and args.steps < 2:
+        raise _UsageError(f"--steps {args.steps}: give at least 2 steps per trial")
+    if args.memory_budget is None:
+        for flag, given in (("--nproc", args.nproc != 1), ("--json", args.json), ("--plan-all", args.plan_all)):
+            if given:
+                raise _UsageError(f"{flag} goes with --memory-budget SIZE (the layout search)")
+        from kiln.tune import table, tune
+
+        # what is fastest depends on the hardware: bf16 pays only where it is native
+        print(f"machine: {machine_line()}", flush=True)
+        rows = tune(args.config, args.overrides, steps=args.steps or 30, compile=args.compile)
+        print(table(rows))
+        print(f"fastest: kiln train {args.config} {' '.join([*args.overrides, *rows[0]['overrides']])}")
+        return 0
+    import json
+
+    from kiln.plan import parse_size
+    from kiln.tune import budget_json, budget_report, tune_within
+
+    try:
+        budget = parse_size(args.memory_budget)
+    except ValueError as exc:
+        raise _UsageError(f"--memory-budget: {exc}") from None
+    if args.nproc < 1:
+        raise _UsageError(f"--nproc {args.nproc} must be at least 1")
+    if args.trials < 1:
+        raise _UsageError(f"--trials {args.trials} must be at least 1")
     print(f"machine: {machine_line()}", flush=True)
-    rows = tune(args.config, args.overrides, steps=args.steps, compile=args.compile)
-    print(table(rows))
-    print(f"fastest: kiln train {args.config} {' '.join([*args.overrides, *rows[0]['overrides']])}")
+    found = tune_within(args.config, args.overrides, nproc=args.nproc, budget=budget, trials=args.trials,
+                        steps=args.steps or 12, compile=args.compile, exhaustive=args.plan_all,
+                        say=lambda line: print(line, flush=True))
+    print(budget_report(found, args.config, args.overrides, args.nproc, args.memory_budget))
+    if args.json:
+        Path(args.json).write_text(json.dumps(budget_json(found), indent=1) + "\n")
     return 0
 
 

@@ -1,6 +1,17 @@
 """``kiln tune CONFIG``: measure a few speed settings on this machine and recommend the fastest.
 
-Each candidate is a set of overrides on top of the config (precision, the arena, loader
+With a memory budget (``kiln tune CONFIG --nproc N --memory-budget 8GB``, :func:`tune_within`)
+it searches the layout too: ``dp x tp x pp``, the ZeRO stage, the micro-batch, activation
+checkpointing, precision and (``--compile``) compile. Every candidate is planned on fake tensors
+(:func:`kiln.plan.plan`) and dropped when its fullest rank's peak is over the budget, without
+running it; the rest are ranked by a cost model (:mod:`kiln._costmodel`: the plan's FLOPs,
+operators and collective bytes against this machine's measured matmul, operator and collective
+speeds), and the ``trials`` best predicted are trained for a few steps each (``kiln train --nproc
+N`` in a temporary directory), their speed and peak tensor memory measured. The pick is the
+fastest trial whose measured peak is within the budget. :mod:`kiln._search` says how the
+candidates are planned (not all of them: best first, until the fastest that fit are known).
+
+Without a budget, each candidate is a set of overrides on top of the config (precision, the arena, loader
 workers, optionally compile); each is trained for ``steps`` steps in this process, in a
 temporary run directory, and ranked by measured samples/s. Nothing is estimated: what is
 recommended is what ran fastest here.
@@ -57,6 +68,116 @@ def tune(config: str | Path, overrides: Iterable[str] = (), *, steps: int = 30, 
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return sorted(rows, key=lambda r: -r["samples_per_second"])
+
+
+def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scratch: Path) -> dict[str, Any]:
+    """Train ``overrides`` for ``steps`` steps in ``nproc`` processes, as ``kiln train`` would, in
+    a directory under ``scratch``; its summary.json (or the error, under "error")."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = Path(tempfile.mkdtemp(prefix="trial-", dir=scratch))
+    command = [sys.executable, "-m", "kiln", "train", str(config), *overrides, f"train.max_steps={steps}",
+               "train.log_every=2", "train.eval_every=0", "train.checkpoint_every=0", "train.progress=none",
+               "train.early_stopping=null", "train.loggers=[csv]", "train.measure_memory=true",
+               f"train.output_dir={out}", "--nproc", str(nproc)]
+    env = {k: v for k, v in os.environ.items() if k != "KILN_RUN_DIR"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    summaries = list(out.glob("*/summary.json"))
+    summary = json.loads(summaries[0].read_text()) if summaries else {}
+    if done.returncode != 0 or summary.get("status") != "completed":
+        lines = [ln for ln in (done.stderr or "").splitlines() if ln.startswith("kiln: error")] or \
+            (done.stderr or "").strip().splitlines()[-1:]
+        return {"error": (lines[0] if lines else f"exit status {done.returncode}")[:300]}
+    return summary
+
+
+def tune_within(config: str | Path, overrides: Iterable[str] = (), *, nproc: int = 1, budget: int,
+                trials: int = 3, steps: int = 12, compile: bool = False, exhaustive: bool = False,
+                say: Any = lambda line: None) -> Any:
+    """The fastest configuration of ``config`` over ``nproc`` processes whose peak tensor memory
+    fits ``budget`` bytes a process (see the module). Returns a :class:`kiln._search.Search`
+    whose ``pick`` is the chosen candidate; raises :class:`kiln._search.NoFit` when nothing fits."""
+    import time
+
+    from kiln._search import AXES, NoFit, search
+    from kiln.config import load_config
+    from kiln.config._load import _parse_overrides
+
+    from omegaconf import OmegaConf
+
+    overrides = list(overrides)
+    cfg = load_config(config, overrides)  # a bad config fails here, before any plan
+    given = {k for k, _ in _parse_overrides(overrides)}
+    pinned = {k: OmegaConf.select(cfg, k) for k in AXES if k in given}  # typed, as validated
+
+    def load(more: list[str]) -> Any:
+        return load_config(config, [*overrides, *more])
+
+    started = time.perf_counter()
+    found = search(load, nproc, budget, pinned=pinned, compiles=(False, True) if compile else (False,),
+                   want=trials, exhaustive=exhaustive, say=say)
+    scratch = Path(tempfile.mkdtemp(prefix="kiln-tune-"))
+    try:
+        for c in found.ranked[:trials]:
+            say(f"  trial {' '.join(c.overrides)} ({steps} steps)")
+            summary = _trial(config, [*overrides, *c.overrides], nproc, steps, scratch)
+            if "error" in summary:
+                c.trial_note = summary["error"]
+                continue
+            peak_mb = summary.get("peak_tensor_memory_mb")
+            c.measured_peak_bytes = None if peak_mb is None else int(round(peak_mb * 2**20))
+            c.samples_per_second = summary.get("samples_per_second")
+            if c.measured_peak_bytes is not None and c.measured_peak_bytes > budget:
+                c.trial_note = "measured over the budget"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    timed = [c for c in found.ranked[:trials] if c.samples_per_second and not c.trial_note]
+    if not timed:
+        notes = "; ".join(f"{' '.join(c.overrides)}: {c.trial_note}" for c in found.ranked[:trials])
+        raise NoFit(f"none of the {min(trials, len(found.ranked))} configurations tried trained within the "
+                    f"budget ({notes})")
+    found.pick = max(timed, key=lambda c: c.samples_per_second)
+    found.seconds = time.perf_counter() - started
+    return found
+
+
+def budget_report(found: Any, config: str | Path, overrides: list[str], nproc: int, budget_text: str) -> str:
+    """The table of planned candidates (fastest predicted first) and the pick, for the terminal."""
+    pick = found.pick
+    per_step = found.samples_per_step
+    lines = [f"{'pred MB':>9} {'meas MB':>9} {'pred s/s':>9} {'meas s/s':>9}  overrides"]
+    shown = sorted(found.planned, key=lambda c: (c.status != "fits", c.predicted_s or 0))
+    for c in shown:
+        meas = "" if c.measured_peak_bytes is None else f"{c.measured_peak_bytes / 2**20:9.1f}"
+        speed = "" if c.samples_per_second is None else f"{c.samples_per_second:9.1f}"
+        mark = "" if c.status == "fits" else f"  ({c.status})"
+        lines.append(f"{c.predicted_peak_bytes / 2**20:9.1f} {meas:>9} {per_step / c.predicted_s:9.1f} {speed:>9}  "
+                     f"{' '.join(c.overrides)}{mark}{'  [' + c.trial_note + ']' if c.trial_note else ''}")
+    unplanned = sum(c.plan is None for c in found.candidates)
+    lines.append(f"{len(found.candidates)} candidates: {found.plans} planned in {found.plan_seconds:.0f} s, "
+                 f"{unplanned} not planned (slower by the cost model, implied over budget, or invalid); "
+                 f"{sum(c.samples_per_second is not None for c in found.candidates)} timed; {found.seconds:.0f} s in all")
+    lines.append(f"pick: predicted peak {pick.predicted_peak_bytes / 2**20:,.1f} MB, measured "
+                 f"{pick.measured_peak_bytes / 2**20:,.1f} MB (budget {budget_text} a process); predicted "
+                 f"{per_step / pick.predicted_s:,.1f} samples/s, measured {pick.samples_per_second:,.1f}")
+    nproc_arg = f" --nproc {nproc}" if nproc > 1 else ""
+    given = {o.split("=", 1)[0] for o in overrides}
+    chosen = [o for o in pick.overrides if o.split("=", 1)[0] not in given]
+    lines.append(f"kiln train {config}{nproc_arg} {' '.join([*overrides, *chosen])}")
+    return "\n".join(lines)
+
+
+def budget_json(found: Any) -> dict[str, Any]:
+    """``kiln tune --memory-budget --json``: ``pick`` and ``candidates`` (every planned one)."""
+    per_step = found.samples_per_step
+    return {"budget_bytes": found.budget, "pick": found.pick.as_json(per_step),
+            "candidates": [c.as_json(per_step) for c in found.planned],
+            "not_planned": len(found.candidates) - len(found.planned), "plans": found.plans,
+            "plan_seconds": round(found.plan_seconds, 2), "seconds": round(found.seconds, 2),
+            "speeds": vars(found.speeds)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

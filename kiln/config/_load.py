@@ -474,6 +474,13 @@ def _validate_ranges(cfg: dict[str, Any]) -> None:
                 raise ConfigError(f"train.output_dir={train['output_dir']} {what}, not a directory; set "
                                   "train.output_dir to a directory (it is created if missing)")
             break
+    if train["memory_budget"] is not None:
+        from kiln.plan import parse_size
+
+        try:
+            parse_size(train["memory_budget"])
+        except ValueError as exc:
+            raise ConfigError(f"train.memory_budget: {exc}") from None
     if train["threads"] is not None and train["threads"] < 1:
         raise ConfigError(f"train.threads={train['threads']} must be positive, or null for torch's default")
     if isinstance(data["workers"], int) and data["workers"] < 0:

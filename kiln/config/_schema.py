@@ -94,6 +94,10 @@ class TrainConfig:
     # peak_tensor_memory_mb: the CUDA allocator's, or on CPU the profiler's record of every
     # allocation); false: not measured (null), no profiler
     measure_memory: bool = True
+    # the peak tensor memory a process may use, e.g. 8GB, 512MB, 1.5GiB (or bytes), for
+    # parallel.auto's choice; None: the device's memory (a GPU's; on CPU the memory available
+    # now, divided among the local processes)
+    memory_budget: Optional[Union[int, str]] = None
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
     keep_checkpoints: int = 3  # periodic checkpoints kept (final.pt and best.pt always are)
@@ -120,6 +124,11 @@ class TrainConfig:
 class ParallelConfig:
     # The world is a dp x tp x pp grid of processes (kiln.parallel.Layout); dp * tp * pp must
     # equal the number of processes started.
+    # true: kiln train --nproc N chooses dp x tp x pp, zero, train.accumulate and
+    # train.activation_checkpointing before any process starts: the fastest by kiln's cost model
+    # whose planned peak fits train.memory_budget (kiln/_search.py); the run's config.yaml holds
+    # the choice and parallel.auto=false, so a rerun from it trains the same layout
+    auto: bool = False
     dp: Optional[int] = None  # data-parallel ranks; None: world size / (tp * pp)
     tp: int = 1  # tensor-parallel ranks: each block's matmuls split Megatron-style (DTensor)
     pp: int = 1  # pipeline stages: model.blocks cut into pp consecutive groups

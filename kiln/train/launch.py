@@ -65,6 +65,17 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
         raise CheckpointError(f"{run_dir} is not a kiln run directory (no {CONFIG} in it)")
     cfg = load_config(run_dir / CONFIG if run_dir is not None else config, overrides)  # checked here, first
     name = _run_name(Path(config)) if run_dir is None else "run"
+    if cfg.parallel.auto:
+        if "LOCAL_RANK" in os.environ or run_dir is not None:
+            raise ConfigError("parallel.auto=true is chosen once, by kiln train --nproc N before any process "
+                              "starts (not by each rank under torchrun, nor on --resume): run kiln tune CONFIG "
+                              "--nproc N --memory-budget SIZE and pass its overrides, or set parallel.auto=false")
+        from kiln._search import auto_overrides
+
+        # the layout, ZeRO, micro-batch and checkpointing, chosen here: the ranks, config.yaml and a
+        # rerun from it get the chosen values and parallel.auto=false
+        overrides = [*overrides, *auto_overrides(config, overrides, nproc)]
+        cfg = load_config(config, overrides)
     if "LOCAL_RANK" in os.environ:  # one rank under torchrun: kiln's launcher checked, and setup checks
         return _train_here(cfg, run_dir, name, worker=True)
     if run_dir is not None:
