@@ -116,12 +116,13 @@ def _autocast(mode: str, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16-mixed")
 
 
-def measure(step: Callable[[], Any], device: torch.device | str, modes: tuple[str, ...] = CANDIDATES,
-            *, min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS,
-            budget_s: float = BUDGET_S) -> dict[str, list[float]]:
-    """Milliseconds of ``step()`` (a forward and backward) under each mode's autocast, interleaved
-    in rounds after one untimed call of each; a mode HOPELESS-ly slower after the first round
-    is dropped from the rest (its one time stays)."""
+def measure(forward: Callable[[], Any], device: torch.device | str, modes: tuple[str, ...] = CANDIDATES,
+            *, after: Callable[[], None] | None = None, min_rounds: int = MIN_ROUNDS,
+            max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> dict[str, list[float]]:
+    """Milliseconds of ``forward()`` under each mode's autocast and the backward of the loss it
+    returns (outside autocast, as the trainer runs it; nothing for a non-tensor), then
+    ``after()`` (untimed), interleaved in rounds after one untimed pass of each; a mode
+    HOPELESS-ly slower after the first round is dropped from the rest (its one time stays)."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -129,9 +130,14 @@ def measure(step: Callable[[], Any], device: torch.device | str, modes: tuple[st
         sync()
         start = time.perf_counter()
         with _autocast(mode, device):
-            step()
+            loss = forward()
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
         sync()  # note: waits for the device's kernels, so that the time is theirs
-        return (time.perf_counter() - start) * 1e3
+        elapsed = (time.perf_counter() - start) * 1e3
+        if after is not None:
+            after()
+        return elapsed
 
     for mode in modes:  # first calls allocate, and oneDNN builds its kernels for the shapes
         timed(mode)
@@ -149,8 +155,8 @@ def measure(step: Callable[[], Any], device: torch.device | str, modes: tuple[st
     return times
 
 
-def choose(step: Callable[[], Any], device: torch.device | str, *, key: str | None = None,
-           cache: bool = True) -> AutoChoice:
+def choose(forward: Callable[[], Any], device: torch.device | str, *, after: Callable[[], None] | None = None,
+           key: str | None = None, cache: bool = True) -> AutoChoice:
     """The rule's choice where there is one; else the measured one (cached under ``key``)."""
     ruled = rule(device)
     if ruled is not None:
@@ -159,7 +165,7 @@ def choose(step: Callable[[], Any], device: torch.device | str, *, key: str | No
         hit = _cache.get(CACHE, key)
         if hit is not None and set(hit.get("ms", {})) == set(CANDIDATES):
             return AutoChoice(decide(hit["ms"]), "cached", ms=hit["ms"])
-    times = measure(step, device)
+    times = measure(forward, device, after=after)
     ms = {m: statistics.median(v) for m, v in times.items()}
     choice = AutoChoice(decide(ms), "measured", ms={m: round(v, 3) for m, v in ms.items()},
                         rounds=max(len(v) for v in times.values()))
@@ -245,14 +251,13 @@ def choose_for_model(model: torch.nn.Module, loss: Callable[[], torch.Tensor], d
     was_training = model.training
     model.train()
 
-    def step() -> None:
-        loss().backward()
+    def fresh_grads() -> None:  # each pass writes new gradients, none accumulates into the last
         for p in model.parameters():
             p.grad = None
 
     try:
         with untouched(model):
             key = signature(model, batch, device, extra) if cache else None
-            return choose(step, device, key=key, cache=cache)
+            return choose(loss, device, after=fresh_grads, key=key, cache=cache)
     finally:
         model.train(was_training)

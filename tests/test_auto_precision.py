@@ -37,8 +37,9 @@ def _timings(monkeypatch, fp32: float, bf16: float) -> list[int]:
     """The measurement returns these medians (ms); the list counts the calls."""
     calls: list[int] = []
 
-    def fake(step, device, modes=ap.CANDIDATES, **kwargs):
-        step()  # the passes do run, on the real model and batch
+    def fake(forward, device, modes=ap.CANDIDATES, after=None, **kwargs):
+        forward().backward()  # the passes do run, on the real model and batch
+        after()
         calls.append(1)
         return {"fp32": [fp32] * 3, "bf16-mixed": [bf16] * 3}
 
@@ -108,10 +109,10 @@ def test_the_real_measurement_stops_early_for_a_hopeless_mode(one_thread):
     """measure() itself, on a step whose bf16 run is made 10x slower."""
     import time
 
-    def step():
+    def forward():
         time.sleep(0.02 if torch.is_autocast_enabled("cpu") else 0.002)
 
-    times = ap.measure(step, "cpu")
+    times = ap.measure(forward, "cpu")
     assert len(times["bf16-mixed"]) == 1 and len(times["fp32"]) == 1  # dropped after round one
     assert ap.decide({m: v[0] for m, v in times.items()}) == "fp32"
 

@@ -126,6 +126,7 @@ class Run:
     memory: TensorMemory  # the peak of live tensor bytes over the first steps
     mfu: Mfu  # FLOPs per step (counted on the first) against the devices' peak
     compile_seconds: float | None = None
+    first_step_seconds: float | None = None  # the process's first step, left out of samples/s
     owns_group: bool = False  # setup started the process group: the run ends it
     last_train_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)

@@ -78,9 +78,12 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 batch = next(run.batches)
                 with run.mfu.count(batch.samples):  # the first step's FLOPs
                     loss, grad_norm = train_step(run, batch)
-            if tc.compile and step == run.start_step + 1:
-                # the compiling first step is reported apart: speed and the ETA start after it
-                run.compile_seconds = time.perf_counter() - started
+            if step == run.start_step + 1 and (tc.compile or step < run.total_steps):
+                # A process's first step is warm-up, reported apart (speed and the ETA start after
+                # it): the compile, oneDNN's bf16 kernels built for each new shape on a CPU, first
+                # allocations, the FLOP count. A plain loop's per-step time leaves it out too.
+                run.first_step_seconds = time.perf_counter() - started
+                run.compile_seconds = run.first_step_seconds if tc.compile else None
                 run.meter.restart_clock()
                 run.progress.restart_clock(step)
             run.meter.window_loss += loss
@@ -147,8 +150,10 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
             with precision.autocast():
                 loss = par.pipeline.step(batch[0], batch[1])
         else:
-            with precision.autocast(), par.loss_context():
-                loss = micro_batch_loss(run.task, run.model, batch) / parts[i]
+            with par.loss_context():  # (tensor parallel's loss_parallel holds over the backward too)
+                with precision.autocast():  # the forward and the loss; backward runs in the
+                    # dtypes the forward saved, outside autocast, as torch.amp prescribes
+                    loss = micro_batch_loss(run.task, run.model, batch) / parts[i]
                 with par.sync_gradients(last=i == len(step.micro) - 1):
                     precision.backward(loss)  # fp16: backward of the scaled loss
         loss_sum += par.value(loss)
@@ -246,7 +251,8 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
         peak_memory_mb=peak_memory_mb(run.device), peak_tensor_memory_mb=run.memory.peak_mb(run.world),
         wall_seconds=m.wall_seconds(),
         processes=run.world, layout={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
-        compile_seconds=run.compile_seconds, skipped_steps=scaler.skipped_steps if scaler else 0,
+        first_step_seconds=run.first_step_seconds, compile_seconds=run.compile_seconds,
+        skipped_steps=scaler.skipped_steps if scaler else 0,
         stopped_early=bool(stopped),
         **({"stopped_at_step": stopped["step"], "stop_reason": stopped["reason"]} if stopped else {}),
         **({"best": {"metric": run.best.metric, "value": run.best.best, "step": run.best.best_step}}
