@@ -36,6 +36,57 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# ------------------------------------------------------------------------ fresh interpreters
+# Tests of what an import pulls in need an interpreter that has imported nothing of kiln. Each
+# such test started its own (python -c), and every one of those spent 3 s of CPU importing
+# torch before the import under test. fresh_python forks them instead from one server process
+# that has imported torch alone, which each of those imports begins with (import kiln.X
+# imports torch first): the child's sys.modules is a new interpreter's after `import torch`.
+_FORK_SERVER = r"""
+import json, os, sys, traceback
+import torch
+for line in sys.stdin:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.dup2(write, 1)
+        try:
+            exec(compile(json.loads(line), "<fresh_python>", "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read()
+    print(json.dumps([out, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])]), flush=True)
+"""
+
+
+@pytest.fixture(scope="session")
+def fresh_python():
+    """``fresh_python(code) -> stdout``: run ``code`` as ``python -c code`` would, in a forked
+    interpreter that has imported torch and nothing else (not kiln); a failure fails the test."""
+    import json
+
+    server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+
+    def run(code: str) -> str:
+        server.stdin.write(json.dumps(code) + "\n")
+        server.stdin.flush()
+        out, status = json.loads(server.stdout.readline())
+        assert status == 0, f"fresh_python exited {status} (its traceback is on stderr); stdout: {out}"
+        return out
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test: on tiny tensors on a shared 2-core machine, every op

@@ -99,12 +99,10 @@ def test_bench_hf_without_accelerate_is_refused_in_one_line(tmp_path, capsys, mo
     assert list(tmp_path.iterdir()) == []  # no work began: not even the output folder
 
 
-def test_no_benchmark_imports_matplotlib_before_it_draws():
-    import subprocess
-
+def test_no_benchmark_imports_matplotlib_before_it_draws(fresh_python):
     code = ("import sys, importlib, kiln.bench as b; [importlib.import_module(m) for m, _ in b.BENCHMARKS.values()]; "
             "print('matplotlib' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = fresh_python(code)
     assert out.strip() == "False"
 
 

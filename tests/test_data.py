@@ -78,12 +78,9 @@ def test_digits_split_independent_of_training_seed(digits):
     assert sum(r in train_rows for r in val_rows) <= 5
 
 
-def test_digits_does_not_import_sklearn_until_built():
-    import subprocess
-    import sys
-
+def test_digits_does_not_import_sklearn_until_built(fresh_python):
     code = "import sys, kiln.data; print('sklearn' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = fresh_python(code)
     assert out.strip() == "False"
 
 

@@ -272,10 +272,10 @@ def test_a_logger_whose_package_is_missing_is_refused_at_config_load(tmp_path, c
             in capsys.readouterr().err)
 
 
-def test_the_trainer_imports_no_logger_package_until_one_is_named():
+def test_the_trainer_imports_no_logger_package_until_one_is_named(fresh_python):
     code = ("import sys, kiln.train, kiln.train.loop; "
             "print([m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = fresh_python(code)
     assert out.strip() == "[]"
 
 

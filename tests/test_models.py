@@ -301,12 +301,9 @@ def test_vit_learns_a_tiny_task():
     assert first > 2.0 and loss.item() < 0.5 * first
 
 
-def test_import_is_light():
-    import subprocess
-    import sys
-
+def test_import_is_light(fresh_python):
     code = "import sys, kiln.models; print('sklearn' in sys.modules, 'kiln.parallel' in sys.modules, 'kiln.train' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = fresh_python(code)
     assert out.split() == ["False", "False", "False"]
     assert kiln.models.create_model is create_model
 

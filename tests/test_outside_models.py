@@ -6,8 +6,6 @@ Llama, BERT) built from their config classes. Each trains exactly as a plain PyT
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -202,42 +200,69 @@ def test_hf_models_train_like_a_plain_loop_and_are_written_for_from_pretrained(t
     ids = splits.val[0][0][None]
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-4)
-    assert "transformers" not in subprocess.run(
-        [sys.executable, "-c", "import sys, kiln, kiln.train, kiln.hf; print(sorted(sys.modules))"],
-        capture_output=True, text=True, check=True).stdout  # import kiln never imports transformers
+
+
+def test_import_kiln_never_imports_transformers(fresh_python):  # (once, not in each family's test above)
+    assert "transformers" not in fresh_python("import sys, kiln, kiln.train, kiln.hf; print(sorted(sys.modules))")
 
 
 def _loss_curve(run: Path) -> list[float]:
     return _logged_losses(run)
 
 
+ACCELERATED = ["user", "gpt2", "llama", "bert"]
+TWO_PROCESSES = ((2, 1), (3, 2))  # (ZeRO stage, accumulation): 2 processes x 2 micro-batches, the same samples a step
+
+
+def _accelerated(name: str, folder: Path) -> tuple[Path, list[str]]:
+    """The config and base overrides of test_outside_models_train_under_every_acceleration."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "user":
+        config, base = _user_config(folder), ["train.max_steps=12"]
+    else:
+        config, base = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=8", "train.log_every=1",
+                                                                      "data.args.num_samples=256"]
+    return config, [*base, "train.eval_every=0", "train.clip_grad_norm=1.0"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """(model, ZeRO stage) -> the run directory of each model's two-process runs, all of them in
+    one pair of gloo processes started once (tests/group_runs.py): eight launches of kiln train
+    --nproc 2 spent most of their time starting processes."""
+    from importlib.util import find_spec
+
+    from group_runs import train_in_one_group
+
+    folder = tmp_path_factory.mktemp("two")
+    names = [n for n in ACCELERATED if n == "user" or find_spec("transformers")]
+    keys, runs = [], []
+    for name in names:
+        config, base = _accelerated(name, folder / name)
+        for zero, accumulate in TWO_PROCESSES:
+            keys.append((name, zero))
+            runs.append((str(config), ["train.precision=fp32", f"parallel.zero={zero}", f"train.accumulate={accumulate}",
+                                       f"train.output_dir={folder / name / f'zero{zero}'}", *base]))
+    return dict(zip(keys, train_in_one_group(2, runs)))
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["user", "gpt2", "llama", "bert"])
-def test_outside_models_train_under_every_acceleration(tmp_path, name):
+@pytest.mark.parametrize("name", ACCELERATED)
+def test_outside_models_train_under_every_acceleration(tmp_path, two_process_runs, name):
     """bf16-mixed with activation checkpointing, compile, and two processes with ZeRO-2 and
     FSDP2 (ZeRO-3, with accumulation): each trains, with clipping on; compile and the
     two-process runs equal one process."""
-    if name == "user":
-        config, base = _user_config(tmp_path), ["train.max_steps=12"]
-    else:
+    if name != "user":
         pytest.importorskip("transformers")
-        config, base = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=8", "train.log_every=1",
-                                                                      "data.args.num_samples=256"]
-    base += ["train.eval_every=0", "train.clip_grad_norm=1.0"]
+    config, base = _accelerated(name, tmp_path / name)
     one = _loss_curve(_train(config, tmp_path / "one", *base))
     mixed = _loss_curve(_train(config, tmp_path / "mixed", *base, "train.precision=bf16-mixed",
                                "train.activation_checkpointing=full"))
     assert mixed[-1] < mixed[0] and _max_rel(mixed, one) < 0.05  # bf16: within 5% of fp32 at every step
     compiled = _loss_curve(_train(config, tmp_path / "compiled", *base, "train.compile=true"))
     assert _max_rel(compiled, one) < 1e-4
-    for zero, accumulate in ((2, 1), (3, 2)):  # 2 processes x 2 micro-batches: the same samples per step
-        out = tmp_path / f"zero{zero}"
-        proc = subprocess.run([sys.executable, "-m", "kiln", "train", str(config), "--nproc", "2",
-                               "train.precision=fp32", f"parallel.zero={zero}", f"train.accumulate={accumulate}",
-                               f"train.output_dir={out}", *base],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        two = _loss_curve(_only_run(out))
+    for zero, _ in TWO_PROCESSES:
+        two = _loss_curve(two_process_runs[name, zero])
         assert _max_rel(two, one) < 1e-5, (zero, two, one)
 
 

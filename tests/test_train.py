@@ -217,12 +217,12 @@ def test_tune_measures_every_candidate_and_recommends_the_fastest(capsys):
     assert "samples/s" in out
 
 
-def test_importing_the_trainer_pulls_in_nothing_heavy():
+def test_importing_the_trainer_pulls_in_nothing_heavy(fresh_python):
     # import kiln's core adds ~0.1 s to import torch; these would add 0.5-1.5 s each
     code = (
         "import sys, torch, kiln, kiln.optim, kiln.models, kiln.data, kiln.config, kiln.train; "
         "heavy = ['torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', "
         "'matplotlib', 'sklearn', 'tensorboard', 'hydra']; print([m for m in heavy if m in sys.modules])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = fresh_python(code)
     assert out.strip() == "[]"
