@@ -262,21 +262,37 @@ def test_a_run_from_a_local_directory_writes_hf_that_from_pretrained_loads_as_it
         assert exported.lm_head.weight is exported.transformer.wte.weight
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("family,layout", [
+TWO_PROCESS_LAYOUTS = [
     ("llama", ["parallel.zero=3"]),
     ("gpt2", ["parallel.tp=2"]),
     ("gpt2", ["parallel.zero=3"]),  # FSDP2's shards of the (3C,) q/k/v bias are no boxes of its (3, C)
     ("llama", ["parallel.pp=2", "parallel.microbatches=2"]),
-])
-def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, tmp_path, family, layout):
+]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(pretrained, tmp_path_factory):
+    """Each layout's config and two-process run directory, the four runs in one pair of gloo
+    processes started once (tests/group_runs.py; four launches of kiln train --nproc 2 took
+    over 100 s of CPU, most of it six processes importing torch and transformers)."""
+    from group_runs import train_in_one_group
+
+    folders = [tmp_path_factory.mktemp(family) for family, _ in TWO_PROCESS_LAYOUTS]
+    configs = [_config(folder, pretrained(family)) for folder, (family, _) in zip(folders, TWO_PROCESS_LAYOUTS)]
+    runs = [(str(config), [*layout, f"train.output_dir={folder / 'two'}"])
+            for config, folder, (_, layout) in zip(configs, folders, TWO_PROCESS_LAYOUTS)]
+    return list(zip(configs, train_in_one_group(2, runs)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", range(len(TWO_PROCESS_LAYOUTS)),
+                         ids=[f"{f}-{'-'.join(l)}" for f, l in TWO_PROCESS_LAYOUTS])
+def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, two_process_runs, tmp_path, case):
+    family, layout = TWO_PROCESS_LAYOUTS[case]
     source = pretrained(family)
-    config = _config(tmp_path, source)
+    config, two = two_process_runs[case]
     assert main(["train", str(config), f"train.output_dir={tmp_path / 'one'}"]) == 0
-    proc = subprocess.run([sys.executable, "-m", "kiln", "train", str(config), "--nproc", "2", *layout,
-                           f"train.output_dir={tmp_path / 'two'}"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = _only_run(tmp_path / "one"), _only_run(tmp_path / "two")
+    one = _only_run(tmp_path / "one")
     exported = _reference(two / "hf")
     # the last step's model, written by the two ranks' checkpoint shards
     assert torch.allclose(_logits(exported), _logits(_model_at(two / "checkpoints" / "final", source)),
