@@ -8,8 +8,8 @@ plain MLP 1.9-3.5x faster, but the digits ViT (width 64, 16 tokens) no faster at
   backward passes of the run's own model on a real micro-batch, in both modes, interleaved
   (fp32, bf16, bf16, fp32, ...), after one untimed pass of each; the median of each. bf16-mixed
   is chosen if its median is at least ``MARGIN`` (5%) below fp32's: a gain inside the noise of
-  a shared machine is not worth bf16's rounding. A mode over 1.5x the other after the first
-  round cannot win and is not timed further. The measurement stops after ``MAX_ROUNDS`` rounds,
+  a shared machine is not worth bf16's rounding. A mode over 4x the other in the untimed first
+  pass, or over 1.5x after the first round, cannot win and is not timed further. The measurement stops after ``MAX_ROUNDS`` rounds,
   or after ``BUDGET_S`` seconds once ``MIN_ROUNDS`` are done.
 - **CPU that emulates bf16** (AVX2 only, or ``KILN_BF16=emulated``): fp32, not measured. bf16
   cannot win there: a bf16 matmul took 13-50x the fp32 one on an AVX2 AMD EPYC (torch 2.13),
@@ -55,6 +55,7 @@ CANDIDATES = ("fp32", "bf16-mixed")  # same parameters, inputs and optimizer: on
 MARGIN = 0.05  # bf16-mixed must be this much faster than fp32 to be chosen
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 7, 2.0
 HOPELESS = 1.5  # after the first round, a mode this much slower than the other is not timed further
+WARMUP_HOPELESS = 4.0  # the same for the untimed first passes, which also build kernels
 CACHE = "auto_precision"
 
 
@@ -76,7 +77,7 @@ class AutoChoice:
             if self.how == "cached":
                 what += f" (cached in {_cache.cache_dir()})"
             elif self.rounds == 1:
-                what += f" (one round: one mode over {HOPELESS}x the other, not timed further)"
+                what += " (one pass: one mode was over 1.5x the other, not timed further)"
             else:
                 what += f" (median of {self.rounds})"
         else:
@@ -121,8 +122,9 @@ def measure(forward: Callable[[], Any], device: torch.device | str, modes: tuple
             max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> dict[str, list[float]]:
     """Milliseconds of ``forward()`` under each mode's autocast and the backward of the loss it
     returns (outside autocast, as the trainer runs it; nothing for a non-tensor), then
-    ``after()`` (untimed), interleaved in rounds after one untimed pass of each; a mode
-    HOPELESS-ly slower after the first round is dropped from the rest (its one time stays)."""
+    ``after()`` (untimed), interleaved in rounds after one untimed pass of each. A mode
+    WARMUP_HOPELESS-ly slower in that first pass, or HOPELESS-ly slower in the first round, is
+    not run again: its one time is its figure."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -139,10 +141,13 @@ def measure(forward: Callable[[], Any], device: torch.device | str, modes: tuple
             after()
         return elapsed
 
-    for mode in modes:  # first calls allocate, and oneDNN builds its kernels for the shapes
-        timed(mode)
+    # first calls allocate, and oneDNN builds its kernels for the shapes: untimed, except that
+    # a mode WARMUP_HOPELESS x slower than the other already is not run again (emulated bf16)
+    first = {mode: timed(mode) for mode in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
-    live = list(modes)
+    live = [m for m in modes if first[m] <= WARMUP_HOPELESS * min(first.values())]
+    if len(live) < 2:  # decided: the first passes' times are the figures
+        return {m: [first[m]] for m in modes}
     started = time.perf_counter()
     for r in range(max_rounds):
         for mode in (live if r % 2 == 0 else live[::-1]):  # neither mode always runs first
@@ -168,7 +173,7 @@ def choose(forward: Callable[[], Any], device: torch.device | str, *, after: Cal
     times = measure(forward, device, after=after)
     ms = {m: statistics.median(v) for m, v in times.items()}
     choice = AutoChoice(decide(ms), "measured", ms={m: round(v, 3) for m, v in ms.items()},
-                        rounds=max(len(v) for v in times.values()))
+                        rounds=min(len(v) for v in times.values()))
     if cache and key is not None:
         _cache.put(CACHE, key, {"ms": choice.ms, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return choice
