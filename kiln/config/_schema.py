@@ -76,8 +76,8 @@ class TrainConfig:
     run_name: Optional[str] = None  # run directory prefix; None: the config file's name
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     threads: Optional[int] = None  # torch intra-op CPU threads; None: torch's default
-    # auto: bf16-mixed where the device computes bf16 natively (CPU with AVX-512-BF16 or AMX, a
-    # GPU with bf16 units), fp32 elsewhere (emulated bf16 is several times slower than fp32) |
+    # auto: fp32 or bf16-mixed, whichever trains this model faster (a CPU with native bf16: both
+    # timed on the model at setup; emulated bf16: fp32; a GPU with bf16 units: bf16-mixed) |
     # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state; fp16
     # with dynamic loss scaling) | bf16-true (bf16 params and activations, fp32 master weights
     # and optimizer state) | fp64 (for numerical checks). See kiln/precision.py.
