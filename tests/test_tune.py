@@ -58,35 +58,6 @@ def test_speeds_are_measured_once_and_cached(monkeypatch, tmp_path):
     assert _costmodel.measure_speeds(1) == first and len(measured) == 2  # read back, not measured again
 
 
-# ----------------------------------------------------------------------------- the cost model
-
-
-def test_step_seconds_charges_flops_operators_and_collectives():
-    from kiln._costmodel import Speeds, predict_seconds
-
-    s = Speeds(flops_per_s={"fp32": 1e10, "bf16": 1e9}, seconds_per_op=1e-5, collective_bytes_per_s=1e8,
-               collective_latency_s=1e-3)
-    assert s.step_seconds(flops=1e10, ops=0, collectives=0, collective_bytes=0) == pytest.approx(1.0)
-    assert s.step_seconds(flops=1e10, ops=0, collectives=0, collective_bytes=0, dtype="bf16") == pytest.approx(10.0)
-    assert s.step_seconds(flops=0, ops=1000, collectives=2, collective_bytes=10**8) == pytest.approx(0.01 + 0.002 + 1)
-    assert s.step_seconds(flops=0, ops=1000, collectives=0, collective_bytes=0, compiled=True) == pytest.approx(0.005)
-    # the slowest rank sets the step; a pipeline of 2 stages over 2 micro-batches idles a third of it
-    rank = lambda flops: SimpleNamespace(flops=flops, ops=0, collectives=0, collective_bytes=0)  # noqa: E731
-    plan = SimpleNamespace(layout=SimpleNamespace(pp=2), ranks=[rank(1e10), rank(2e10)])
-    assert predict_seconds(plan, s, precision="fp32", compiled=False, microbatches=2) == pytest.approx(2 * 1.5)
-    assert predict_seconds(plan, s, precision="bf16-mixed", compiled=False, microbatches=4) == pytest.approx(20 * 1.25)
-
-
-def test_speeds_are_measured_once_and_cached(monkeypatch, tmp_path):
-    from kiln import _costmodel
-
-    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
-    first = _costmodel.measure_speeds(1)
-    assert first.flops_per_s["fp32"] > 1e8 and 0 < first.seconds_per_op < 1e-2
-    monkeypatch.setattr(_costmodel, "_matmul", lambda *a: pytest.fail("measured again"))
-    assert _costmodel.measure_speeds(1) == first
-
-
 # ----------------------------------------------------------------------------- the candidates
 
 
