@@ -247,29 +247,32 @@ def test_parameter_exchange_overlapped_with_the_next_forward_is_bitwise_the_same
     assert all(on[0]["seen"]["mix"][i][0] > max(holding(0, "mix", 1)) for i in overlapped)
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_the_trainer_overlaps_by_default_with_the_same_weights(tmp_path, zero):
-    """``kiln train --nproc 2``: parallel.overlap_grad_reduce (the default) against false, fp64,
-    two micro-batches per step: the final weights and optimizer state are bitwise equal."""
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """(ZeRO stage, overlap) -> run directory: the trainer in two processes, fp64, two
+    micro-batches per step; the four runs in one pair of gloo processes started once
+    (tests/group_runs.py), as workers of kiln train --nproc 2 run them."""
     from pathlib import Path
 
-    from kiln.train import load_checkpoint
+    from group_runs import train_in_one_group
 
     mlp = str(Path(__file__).resolve().parents[1] / "configs" / "digits_mlp.yaml")
-    common = ("train.max_steps=4", "optim.lr=1e-3", "train.accumulate=2", "train.log_every=4",
-              "train.precision=fp64", "data.name=synthetic_images", "train.clip_grad_norm=1.0",
-              f"parallel.zero={zero}", "--nproc", "2")
-    finals = []
-    for overlap in ("true", "false"):
-        out = tmp_path / overlap
-        done = subprocess.run([sys.executable, "-m", "kiln", "train", mlp, *common, f"train.output_dir={out}",
-                               f"parallel.overlap_grad_reduce={overlap}"], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        (run,) = out.iterdir()
-        finals.append(load_checkpoint(run / "checkpoints" / "final"))
-    on, off = finals
+    out = tmp_path_factory.mktemp("trainer")
+    cases = [(zero, overlap) for zero in (0, 2) for overlap in ("true", "false")]
+    runs = [(mlp, ["train.max_steps=4", "optim.lr=1e-3", "train.accumulate=2", "train.log_every=4",
+                   "train.precision=fp64", "data.name=synthetic_images", "train.clip_grad_norm=1.0",
+                   f"parallel.zero={zero}", f"parallel.overlap_grad_reduce={overlap}",
+                   f"train.output_dir={out / f'{zero}-{overlap}'}"]) for zero, overlap in cases]
+    return dict(zip(cases, train_in_one_group(2, runs)))
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_the_trainer_overlaps_by_default_with_the_same_weights(trainer_runs, zero):
+    """Two processes: parallel.overlap_grad_reduce (the default) against false, fp64, two
+    micro-batches per step: the final weights and optimizer state are bitwise equal."""
+    from kiln.train import load_checkpoint
+
+    on, off = (load_checkpoint(trainer_runs[zero, overlap] / "checkpoints" / "final") for overlap in ("true", "false"))
     assert on["model"].keys() == off["model"].keys()
     assert all(torch.equal(on["model"][k], off["model"][k]) for k in on["model"])
     for k, st in on["optimizer"]["state"].items():

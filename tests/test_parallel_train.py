@@ -88,23 +88,45 @@ def test_a_onecycle_run_is_not_stretched_on_resume(tmp_path):
     assert "train.max_steps=4" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_fp16_with_fsdp2_trains_like_one_process(tmp_path):
+LOW_PRECISION = {"fp16-mixed": "parallel.zero=3", "bf16-true": "parallel.zero=2"}
+
+
+def _low_precision(precision: str) -> list[str]:
+    return ["train.max_steps=8", "train.log_every=8", f"train.precision={precision}", "data.name=synthetic_images",
+            "train.clip_grad_norm=1.0", "optim.lr=1e-3", "train.progress=none"]
+
+
+@pytest.fixture(scope="module")
+def low_precision_runs(tmp_path_factory):
+    """precision -> (one process's summary, two processes' summary): the one-process runs here,
+    in this process; the two-process runs in one pair of gloo processes started once
+    (tests/group_runs.py), as workers of kiln train --nproc 2 run them."""
+    from group_runs import train_in_one_group
+
+    from kiln.cli import main
+
+    out = tmp_path_factory.mktemp("low_precision")
+    for precision in LOW_PRECISION:
+        assert main(["train", MLP, *_low_precision(precision), f"train.output_dir={out / precision / 'one'}"]) == 0
+    train_in_one_group(2, [(MLP, [*_low_precision(precision), zero, f"train.output_dir={out / precision / 'two'}"])
+                           for precision, zero in LOW_PRECISION.items()])
+    return {precision: (_summary(out / precision / "one"), _summary(out / precision / "two"))
+            for precision in LOW_PRECISION}
+
+
+@pytest.mark.filterwarnings("ignore::kiln.precision.PrecisionWarning")  # emulated on AVX2
+def test_fp16_with_fsdp2_trains_like_one_process(low_precision_runs):
     # the loss scaler works on FSDP2's DTensor gradient shards and agrees on overflow across ranks
-    common = ["train.max_steps=8", "train.log_every=8", "train.precision=fp16-mixed", "data.name=synthetic_images",
-              "train.clip_grad_norm=1.0", "optim.lr=1e-3"]
-    one = _train(tmp_path, "one", MLP, *common)
-    two = _train(tmp_path, "two", MLP, "--nproc", "2", *common, "parallel.zero=3")
+    one, two = low_precision_runs["fp16-mixed"]
     assert two["skipped_steps"] == one["skipped_steps"]
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)  # fp16 round-off
 
 
-def test_bf16_true_with_zero2_trains_like_one_process(tmp_path):
+@pytest.mark.filterwarnings("ignore::kiln.precision.PrecisionWarning")  # emulated on AVX2
+def test_bf16_true_with_zero2_trains_like_one_process(low_precision_runs):
     # the fp32 master weights of bf16-true are stepped through ZeRO-2: their gradient is
     # reduce-scattered, each rank steps its shard, the masters are all-gathered and cast to bf16
-    common = ["train.max_steps=8", "train.log_every=8", "train.precision=bf16-true", "data.name=synthetic_images",
-              "train.clip_grad_norm=1.0", "optim.lr=1e-3"]
-    one = _train(tmp_path, "one", MLP, *common)
-    two = _train(tmp_path, "two", MLP, "--nproc", "2", *common, "parallel.zero=2")
+    one, two = low_precision_runs["bf16-true"]
     # bf16 activations: the two reduction orders round differently in the last bf16 bit
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
     a, b = _final_weights(one), _final_weights(two)
