@@ -173,7 +173,7 @@ def test_activation_checkpointing_gives_the_same_gradients(device):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the same ops, recomputed
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), "cuda"], indirect=True)
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.e2e), "cuda"], indirect=True)
 def test_compile_gives_eager_gradients(device):
     """Inductor on the device (Triton on CUDA, C++ on CPU: slow there, 10-20 s for the first
     compile, so the CPU case is in the slow tier; tests/test_memory.py trains compiled on CPU)."""
