@@ -54,6 +54,9 @@ examples:
   kiln train configs/gpt_tiny.py --nproc 4 parallel.tp=2 parallel.pp=2 parallel.microbatches=4
                                                              tensor x pipeline parallel (dp x tp x pp
                                                              must equal the processes; see parallel.*)
+  kiln train configs/gpt_tiny.py --nproc 2 parallel.auto=true train.memory_budget=1GB
+                                                             kiln chooses dp x tp x pp, ZeRO, the micro-batch
+                                                             and checkpointing that fit (config.yaml keeps it)
 
 Several machines: start the same command on each with torchrun, for example
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
