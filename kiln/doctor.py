@@ -140,9 +140,13 @@ def _cpu() -> dict[str, Any]:
 
 
 def _auto_precision(device: str) -> dict[str, Any]:
+    """``mode``: auto's choice where a rule gives it (``how`` is then ``rule``); where it is
+    timed on each run's model (a CPU with native bf16), ``how`` is ``measured`` and ``mode`` the
+    fp32 it stands at until then."""
+    from kiln._auto_precision import rule
     from kiln.precision import resolve
 
-    return {"device": device, "mode": resolve("auto", device)}
+    return {"device": device, "mode": resolve("auto", device), "how": "rule" if rule(device) else "measured"}
 
 
 def _backend(name: str, found: _Findings) -> dict[str, Any]:
@@ -276,7 +280,8 @@ def render(report: dict[str, Any]) -> str:
                                       for dev, kinds in report["native"].items())
                   + (" (bf16 set by KILN_BF16)" if cpu["bf16_overridden"] else "")))
     auto = report["auto_precision"]
-    lines.append(("auto", f"train.precision=auto trains in {auto['mode']} on {auto['device']}"))
+    lines.append(("auto", f"train.precision=auto trains in {auto['mode']} on {auto['device']}" if auto["how"] == "rule"
+                  else f"train.precision=auto times fp32 and bf16-mixed on each run's model ({auto['device']})"))
     lines.append(("distributed", ", ".join(f"{name} {_state(r)}" for name, r in report["distributed"].items())))
     comp = report["compile"]
     lines.append(("compile", "not checked (--no-compile)" if comp.get("ran") is False else ", ".join(

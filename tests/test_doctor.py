@@ -70,8 +70,11 @@ def test_the_report_says_what_this_machine_has(monkeypatch):
     assert report["native"]["cpu"]["bf16"] == hardware.native_low_precision("cpu", torch.bfloat16)
     assert report["native"]["cpu"]["fp8"] is False
     assert len(report["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    assert report["auto_precision"] == {"device": "cuda" if torch.cuda.is_available() else "cpu",
-                                        "mode": resolve("auto", "cuda" if torch.cuda.is_available() else "cpu")}
+    from kiln._auto_precision import rule
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert report["auto_precision"] == {"device": device, "mode": resolve("auto", device),
+                                        "how": "rule" if rule(device) else "measured"}
     assert report["distributed"]["gloo"]["ok"] is True  # a one-process group and an all-reduce ran
     assert report["distributed"]["nccl"]["ok"] is (True if torch.cuda.is_available() else None)
     assert report["native_kernels"] == {"ok": True}
