@@ -4,6 +4,9 @@ native bf16), by rule elsewhere; recorded in the run directory and reproduced on
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +195,20 @@ def test_auto_picks_bf16_for_the_encoder_layer_where_bf16_is_native(one_thread):
     x = torch.randn(50, 80, 128)
     choice = ap.choose_for_model(layer, lambda: layer(x).float().square().mean(), "cpu", cache=False)
     assert choice.mode == "bf16-mixed", choice.line()
+
+
+@pytest.mark.distributed
+def test_rank_0_measures_and_every_rank_trains_its_choice(tmp_path):
+    """kiln train --nproc 2 with native bf16 claimed (KILN_BF16=native): rank 0 times the model,
+    the other rank receives the choice; both train in it (the run completes, checkpoints agree)."""
+    env = {**os.environ, "KILN_BF16": "native", "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", "kiln", "train", MLP, "--nproc", "2", "train.max_steps=2",
+                          f"train.output_dir={tmp_path}", "train.eval_every=0", "train.progress=plain",
+                          "train.threads=1"], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run,) = [p for p in tmp_path.iterdir() if (p / "summary.json").is_file()]
+    summary = json.loads((run / "summary.json").read_text())
+    auto = summary["precision_auto"]
+    assert auto["how"] == "measured" and summary["precision"] == auto["mode"] == ap.decide(auto["ms"])
+    assert out.stdout.count("train.precision=auto -> ") == 1  # rank 0 says it, once
+    assert load_config(run / "config.yaml").train.precision == auto["mode"]

@@ -103,6 +103,7 @@ def test_a_run_records_flops_and_mfu(tmp_path, monkeypatch):
     assert summary["peak_flops"] == 20e9 and "float32 matmul measured" in summary["peak_flops_source"]
     expected = summary["flops_per_step"] / 64 * summary["samples_per_second"] / 20e9
     assert summary["mfu"] == pytest.approx(expected, rel=1e-5)
+    assert summary["first_step_seconds"] > 0  # warm-up (the FLOP count among it), left out of samples/s
     rows = read_metrics(run)
     assert [int(r["step"]) for r in rows] == [2, 4]
     for r in rows:
