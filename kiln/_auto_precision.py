@@ -18,6 +18,10 @@ plain MLP 1.9-3.5x faster, but the digits ViT (width 64, 16 tokens) no faster at
   fp32 before. On those GPUs bf16 matmuls run on tensor cores at 2-16x fp32's peak, and a
   model too small to gain loses little.
 
+The passes run the model eagerly and without activation checkpointing, also where the run
+compiles or checkpoints (compiling both modes would cost more than most runs could gain): a
+relative measure, not the run's speed.
+
 The choice is made once, on rank 0 (the others receive it), before the model is laid out, and
 restores everything the passes touched (gradients, buffers such as BatchNorm's statistics, the
 random number generators), so that the run is bitwise the run of the chosen mode named
