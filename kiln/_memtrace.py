@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from kiln._flops import op_flops
+
 __all__ = ["CATEGORIES", "StorageTracker", "storages_of"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporary")
@@ -101,7 +103,7 @@ class StorageTracker(TorchDispatchMode):
         self.live = 0
         self.marks: dict[str, set[int]] = {"saved": set(), "collective": set()}
         self._next = 0
-        self.count_flops = False  # add each operator's FLOPs to ``flops`` (torch.utils.flop_counter's formulas)
+        self.count_flops = False  # add each operator's FLOPs to ``flops`` (kiln._flops.op_flops)
         self.flops = 0
         # while counting, also: operators dispatched, and collectives with the bytes handed to them
         # (what kiln tune's cost model charges for per-operator overhead and communication)
@@ -168,6 +170,10 @@ class StorageTracker(TorchDispatchMode):
         self.log.append((key, change))
 
     # ------------------------------------------------------------------ the dispatch mode
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (True wraps every call below in torch._dynamo.disable: a frame per operator)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed.tensor import DTensor
 
@@ -176,6 +182,10 @@ class StorageTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs its local ops, which come back through here
+        if func is torch.ops._c10d_functional.wait_tensor.default and self.fake_mode is not None:
+            # its fake kernel returns a new tensor; eager waits on the collective's output in
+            # place (torch's MemTracker does the same)
+            return args[0]
         flat = list(_tensors_in((args, kwargs.values())))
         if self.fake_mode is not None and flat and not any(_is_fake(t) or _on_meta(t) for t in flat):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -188,7 +198,7 @@ class StorageTracker(TorchDispatchMode):
             self.marks["collective"].update(self.follow(flat))
         self.follow(out)
         if self.count_flops:
-            self.flops += _flops(func, args, kwargs, out)
+            self.flops += op_flops(func, args, kwargs, out)
             self.ops += 1
             if _is_collective(func):
                 self.collectives += 1
@@ -221,7 +231,10 @@ class StorageTracker(TorchDispatchMode):
         hooks, inside, and keep nothing)."""
         def pack(t: torch.Tensor) -> torch.Tensor:
             self.marks["saved"].update(self.follow(t))
-            return t
+            # an alias without the graph: returning ``t`` itself would tie a saved output to its
+            # own node in a cycle that no collector sees, keeping the graph of a forward whose
+            # backward never runs (a pipeline's shape inference) alive for good
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
@@ -249,23 +262,6 @@ class StorageTracker(TorchDispatchMode):
             if live[key] == 0:
                 del live[key]
         return live
-
-
-def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
-    """FLOPs of one operator by ``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
-    attention; 0 for the rest), with CPU's fused attention counted as the GPU kernels are."""
-    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-
-    packet = func._overloadpacket
-    count = flop_registry.get(packet)
-    if count is not None:
-        return int(count(*args, **kwargs, out_val=out))
-    aten = torch.ops.aten
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
-        return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        return int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
-    return 0
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -341,6 +341,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                 mailbox: dict[Any, Any]) -> tuple[RankPlan, str]:
     """Set up ``rank`` as kiln train would, on fake tensors with a fake process group, run two
     steps, and read the second one's peak."""
+    import gc
     import warnings
 
     import torch.distributed as dist
@@ -386,7 +387,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                         if buf is not None and not buf.is_meta:
                             module._buffers[name] = fake.from_tensor(buf)
                 tracker.follow(list(model.parameters()), list(model.buffers()))
-            with fake, tracker, tracker.resizes():
+            with fake, tracker, tracker.resizes(), _one_mode():
                 par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
             with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox), _row_norms():
@@ -399,7 +400,10 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                          for p in par.model.parameters() if p.requires_grad]
                 with tracker.saved_for_backward():
                     tracker.follow(step.micro)
-                    train_step(run, step)  # the first step creates the optimizer state
+                    _first_step(run, step)
+                    # what reference cycles still hold (a pipeline's first step leaves some) is
+                    # garbage, not the steady step's: collected, as the real run's collector would
+                    gc.collect()
                     start = tracker.position()
                     tracker.count_flops = True
                     train_step(run, step)
@@ -435,6 +439,24 @@ def _forget_meshes() -> None:
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
+
+
+def _first_step(run: Any, step: Any) -> None:
+    """What the first training step leaves for the steady ones: the optimizer's state (and
+    ZeRO's and the precision's), made by a step on zero gradients, which runs the optimizer's
+    whole side of train_step without the forward and backward (half the trace's time); with a
+    pipeline the whole first step, whose schedule learns the stages' shapes in it."""
+    from kiln.train._batches import Step
+    from kiln.train.loop import train_step
+
+    if run.par.pipeline is not None:
+        train_step(run, step)
+        return
+    params = [p for p in run.par.model.parameters() if p.requires_grad]
+    # zero gradients through autograd, so that every gradient hook fires as in a backward
+    # (kiln's optimizers step only parameters whose gradient is new since the last step)
+    torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
+    train_step(run, Step(epoch=step.epoch, micro=[], samples=step.samples))
 
 
 @dataclass
@@ -497,6 +519,26 @@ def _split(live: dict[int, int], roles: dict[str, set[int]], tracker: Any) -> di
 
 
 @contextlib.contextmanager
+def _one_mode() -> Iterator[None]:
+    """Copies of fake tensors stay in the trace's mode: ``copy.deepcopy`` (a pipeline stage is
+    a deep copy of its part of the model) would copy the ``FakeTensorMode`` with them, and the
+    trace's mode would then see the stage's parameters as foreign tensors and convert them,
+    a second copy of every parameter each step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    had = "__deepcopy__" in FakeTensorMode.__dict__
+    saved = FakeTensorMode.__dict__.get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = lambda self, memo: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensorMode.__deepcopy__ = saved  # type: ignore[method-assign]
+        else:
+            del FakeTensorMode.__deepcopy__
+
+
+@contextlib.contextmanager
 def _row_norms() -> Iterator[None]:
     """The one stand-in of the trace: kiln's blocked norm (the clip's, LAMB's) reduces a long
     tensor's 64 Ki-element rows as a list of views, which costs a fake operator per row (5,400
@@ -540,6 +582,8 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
     every stage infers its shapes (DYNAMIC mode, as without a fake group), sends them into
     ``mailbox`` and receives those of the stage before it from there, written when that
     stage's rank was traced; the gradients a stage receives have its outputs' shapes."""
+    import pickle
+
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.pipelining import stage as stage_module
     from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta
@@ -551,7 +595,9 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
             return torch.zeros(1, dtype=torch.int32)  # 0: every stage infers its shapes
 
     def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
-        mailbox[(self.stage_index, dst_stage)] = meta
+        # a copy, as send_object_list pickles it: the object itself keeps this stage's outputs
+        # (and their autograd graph) alive
+        mailbox[(self.stage_index, dst_stage)] = pickle.loads(pickle.dumps(meta))
 
     def recv_meta(self: Any, src_stage: int) -> Any:
         if (src_stage, self.stage_index) in mailbox:

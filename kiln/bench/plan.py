@@ -4,12 +4,14 @@ grid of models, precisions, activation checkpointing, micro-batches and layouts.
 Each row is planned (:func:`kiln.plan.plan`: kiln's set-up and two steps traced on fake tensors
 with a fake process group) and then run for real: kiln's own set-up (``kiln.train.setup``) and
 two training steps, in this process (one rank) or in N gloo processes
-(:func:`kiln.parallel.testing.run_distributed`). The measured figure is what ``summary.json``'s
-``peak_tensor_memory_mb`` measures, taken over the second (steady) step only: the bytes the
-model and optimizer hold as the step starts, plus the highest running sum of the CPU
-allocator's allocations and frees that ``torch.profiler.profile(profile_memory=True)`` records
-during it (:class:`kiln.train._memory.TensorMemory`). Every rank is compared; the table shows
-the fullest rank of each row, and the error of the worst rank.
+(:func:`kiln.parallel.testing.run_distributed`). The measured figure is the allocator's: the
+bytes of every tensor live as the second (steady) step starts (every CPU tensor the collector
+finds, less the data sets' own), plus the highest running sum of the CPU allocations and frees
+that ``torch.profiler.profile(profile_memory=True)`` records during the step. ``summary.json``'s
+``peak_tensor_memory_mb`` (:class:`kiln.train._memory.TensorMemory`) takes as its baseline only
+what the model and optimizer hold; it is shown beside ("summary MB"): it leaves out a
+pipeline's receive buffers and the batch, which the plan counts. Every rank is compared; the
+table shows the fullest rank of each row, and the error of the worst rank.
 
 The models are small (a step takes milliseconds to a second on 2 cores) so the whole grid runs
 in minutes: kiln's ViT, GPT and BERT, and Hugging Face GPT-2 and Llama (``transformers``,
@@ -21,6 +23,7 @@ random weights, no download).
 from __future__ import annotations
 
 import tempfile
+import warnings
 from typing import Any
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, target
@@ -103,32 +106,99 @@ def _model_ranks(case: dict[str, Any]) -> int:
     return case["parallel"].get("tp", 1) * case["parallel"].get("pp", 1)
 
 
-def _measure_rank(rank: int, world: int, cfg: Any) -> int:
+def _measure_rank(rank: int, world: int, cfg: Any) -> dict[str, int]:
     """Set up ``cfg`` as kiln train does, train one step, and measure the second: the peak of
-    live tensor bytes (``TensorMemory``, as ``summary.json`` measures it)."""
+    live tensor bytes, on top of what the model and optimizer hold (``TensorMemory``, as
+    ``summary.json`` measures it) and on top of every tensor live as the step starts."""
+    import gc
+
     import torch
 
-    from kiln.train._memory import TensorMemory
+    from kiln._profiling import profiled
+    from kiln.train._memory import _running_peak, live_tensor_bytes
     from kiln.train._setup import setup
     from kiln.train.loop import train_step
 
+    # what this process held before (another row's plan, its cached data): kept alive, so
+    # that no new tensor takes one of their addresses
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (isinstance on some deprecated module objects warns)
+        before = [t.untyped_storage() for t in gc.get_objects() if isinstance(t, torch.Tensor)
+                  and t.device.type == "cpu" and not t.is_meta and not hasattr(t, "fake_mode")]
     with tempfile.TemporaryDirectory() as out:
         run = setup(cfg, run_dir=f"{out}/run") if rank == 0 else setup(cfg)
         try:
             run.model.train()
             train_step(run, next(run.batches))
-            memory = TensorMemory(run.device, (run.par.model, run.optimizer))
-            with memory.step():
+            gc.collect()
+            held = live_tensor_bytes(run.par.model, run.optimizer)
+            everything = _live_bytes(run, {st.data_ptr() for st in before})
+            with profiled(profile_memory=True) as prof:
                 train_step(run, next(run.batches))
-            return int(memory.peak_bytes)
+            step = _running_peak(prof)
+            return {"model_and_optimizer": held + step, "every_tensor": everything + step}
         finally:
             run.progress.close()
             run.out.close()
-            torch.set_num_threads(torch.get_num_threads())
 
 
-def measured_peaks(cfg: Any, world: int) -> list[int]:
-    """The steady step's peak of live tensor bytes on each of ``world`` ranks, run for real."""
+def _live_bytes(run: Any, before: set[int]) -> int:
+    """Bytes of every CPU tensor storage live now but the data sets' and those at the
+    addresses ``before`` (what ``TensorMemory``'s baseline leaves out: a pipeline's receive
+    buffers, the batch)."""
+    import gc
+
+    import torch
+
+    def storages(objs: Any) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for t in objs:
+            t = getattr(t, "_local_tensor", t)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta and not hasattr(t, "fake_mode"):
+                st = t.untyped_storage()
+                out[st.data_ptr()] = st.nbytes()
+        return out
+
+    # the data sets, and the loaders' own (a sampler's permutation, in its generator's frame)
+    data = storages(_tensors_under([run.data.train, run.data.val, run.batches]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (isinstance on some deprecated module objects warns)
+        live = storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return sum(n for ptr, n in live.items() if ptr not in data and ptr not in before)
+
+
+def _tensors_under(roots: list[Any], depth: int = 6) -> list[Any]:
+    """Tensors reachable from ``roots`` through attributes, lists, dicts and suspended
+    generators' frames (a data set's, a loader's)."""
+    import types
+
+    import torch
+
+    found, seen, stack = [], set(), [(r, 0) for r in roots]
+    while stack:
+        obj, d = stack.pop()
+        if id(obj) in seen or d > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend((x, d + 1) for x in obj)
+        elif isinstance(obj, dict):
+            stack.extend((x, d + 1) for x in obj.values())
+        elif isinstance(obj, types.GeneratorType):
+            if obj.gi_frame is not None:
+                stack.extend((x, d + 1) for x in obj.gi_frame.f_locals.values())
+        elif isinstance(obj, torch.nn.Module):
+            continue
+        elif hasattr(obj, "__dict__"):
+            stack.extend((x, d + 1) for x in vars(obj).values())
+    return found
+
+
+def measured_peaks(cfg: Any, world: int) -> list[dict[str, int]]:
+    """The steady step's peak of live tensor bytes on each of ``world`` ranks, run for real:
+    ``model_and_optimizer`` (``summary.json``'s baseline) and ``every_tensor``."""
     if world == 1:
         return [_measure_rank(0, 1, cfg)]
     from kiln.parallel.testing import run_distributed
@@ -137,23 +207,27 @@ def measured_peaks(cfg: Any, world: int) -> list[int]:
 
 
 def compare(case: dict[str, Any]) -> dict[str, Any]:
-    """Plan and measure one row of the grid; the row with both peaks and the errors."""
+    """Plan and measure one row of the grid; the row with both peaks and the errors (against
+    every live tensor; ``summary_error``: against summary.json's model-and-optimizer baseline)."""
     from kiln.plan import plan
 
     cfg = config_of(case)
     planned = plan(cfg, case["world"])
-    measured = measured_peaks(cfg, case["world"])
+    runs = measured_peaks(cfg, case["world"])
+    measured = [m["every_tensor"] for m in runs]
     errors = [p.peak_bytes / m - 1 for p, m in zip(planned.ranks, measured)]
     worst = max(range(len(errors)), key=lambda i: abs(errors[i]))
     fullest = max(range(len(measured)), key=lambda i: measured[i])
     r = planned.ranks[fullest]
     return {**case, "predicted_mb": r.peak_bytes / 2**20, "measured_mb": measured[fullest] / 2**20,
+            "summary_mb": runs[fullest]["model_and_optimizer"] / 2**20,
             "error": errors[fullest], "worst_error": errors[worst], "worst_rank": worst,
+            "summary_error": r.peak_bytes / runs[fullest]["model_and_optimizer"] - 1,
             "plan_s": planned.seconds, "precision_ran": planned.precision,
             **{f"{c}_mb": getattr(r, c) / 2**20 for c in ("parameters", "gradients", "optimizer_state",
                                                              "activations", "temporary", "communication")},
-            "ranks": [{"rank": i, "predicted_bytes": p.peak_bytes, "measured_bytes": m}
-                      for i, (p, m) in enumerate(zip(planned.ranks, measured))]}
+            "ranks": [{"rank": i, "predicted_bytes": p.peak_bytes, **m}
+                      for i, (p, m) in enumerate(zip(planned.ranks, runs))]}
 
 
 def measure(quick: bool = False) -> Result:
@@ -162,6 +236,7 @@ def measure(quick: bool = False) -> Result:
     cols = [Col("model", "family", group=True), Col("precision", "precision"), Col("AC", "ac"),
             Col("micro", "micro"), Col("ranks", "world"), Col("layout", "layout"),
             Col("predicted MB", "predicted_mb", ".2f"), Col("measured MB", "measured_mb", ".2f"),
+            Col("summary MB", "summary_mb", ".2f"),
             Col("error", "error", "+.1%"), Col("worst rank", "worst_error", "+.1%"),
             Col("params", "parameters_mb", ".2f"), Col("grads", "gradients_mb", ".2f"),
             Col("optim", "optimizer_state_mb", ".2f"), Col("activ", "activations_mb", ".2f"),
@@ -175,9 +250,10 @@ def measure(quick: bool = False) -> Result:
         chart=[Bars("peak tensor memory (MB)", rows, "label", {"measured": "measured_mb"},
                     marks={"predicted": "predicted_mb"}, horizontal=True, label="MB")],
         targets={"worst_error": target(abs(worst["worst_error"]), TOLERANCE, row=worst["label"])},
-        notes=["measured: live tensor bytes at the start of the second step (model, gradients, optimizer state) plus "
-               "the highest running sum of the profiler's CPU allocations and frees during it; predicted: kiln plan's "
-               "trace of the same set-up and step on fake tensors",
+        notes=["measured: every tensor live as the second step starts (data sets excepted) plus the highest running "
+               "sum of the profiler's CPU allocations and frees during it; summary MB: the same on top of what the model "
+               "and optimizer hold (summary.json's peak_tensor_memory_mb); predicted: kiln plan's trace of the same "
+               "set-up and step on fake tensors",
                "categories are the predicted peak's: the fp32 master weights of bf16-true count as optimizer state"],
         processes=max(r["world"] for r in rows),
     )
