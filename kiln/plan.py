@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from kiln._units import parse_size  # (kiln plan --memory-budget; importable from here as before)
+
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "describe", "fit_problem", "machine_budget",
            "parse_size", "plan"]
 
@@ -256,7 +258,7 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
     if world > 1 and dist.is_available() and dist.is_initialized():
         raise RuntimeError("kiln.plan.plan traces each rank with a fake process group: call it outside "
                            "torch.distributed (before init_process_group), e.g. on rank 0 before training")
-    device = torch.device(device) if device is not None else _plan_device(cfg.train.device)
+    device = torch.device(device) if device is not None else plan_device(cfg.train.device)
     # one rank per pipeline stage, in stage order (the pipeline's shapes flow from stage to stage)
     stage_ranks = {}
     for rank in range(world):
@@ -286,7 +288,8 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
     return Plan(layout=layout, precision=mode, ranks=ranks, seconds=time.perf_counter() - started, device=device.type)
 
 
-def _plan_device(name: str) -> torch.device:
+def plan_device(name: str) -> torch.device:
+    """The device a run of ``train.device=name`` trains on, as kiln plan traces it."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")  # fake CUDA tensors need no GPU
     return torch.device(name if name != "auto" else "cpu")
@@ -298,7 +301,7 @@ _DATA: dict[str, Any] = {}  # the loaders of the last few configs planned (tune 
 def _data(cfg: Any, device: torch.device, rank: int, world: int) -> Any:
     """``build_data`` of the config's data for data-parallel ``rank`` of ``world``, built once
     for the configs that share it (its data set may take seconds to make)."""
-    from kiln.train._build import build_data
+    from kiln.train.parts import build_data
 
     tc = cfg.train
     key = f"{cfg.data!r}|{tc.seed}|{tc.accumulate}|{device}|{rank}|{world}"
@@ -350,11 +353,8 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
     from kiln._memtrace import StorageTracker
     from kiln.hf import deferred_weights, materialize, meta_parameters
     from kiln.precision import Precision
-    from kiln.train._batches import Batches
-    from kiln.train._build import build_model, build_scheduler, build_task, check_model
-    from kiln.train._setup import Meter, _check_steps, _to, lay_out
-    from kiln.train._batches import steps_per_epoch
-    from kiln.train.loop import train_step
+    from kiln.train.parts import (Batches, Meter, build_model, build_scheduler, build_task, check_model,
+                                  check_steps, lay_out, steps_per_epoch, to_device, train_step)
 
     tc, world = cfg.train, layout.world
     coords = layout.coords(rank)
@@ -371,11 +371,11 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
             precision = Precision(tc.precision, device)
             data = _data(cfg, device, coords["dp"], layout.dp)
-            _check_steps(cfg, data, layout, steps_per_epoch(data.train, tc.accumulate))
+            check_steps(cfg, data, layout, steps_per_epoch(data.train, tc.accumulate))
             step = next(Batches(data.train, tc.accumulate, cfg.data.batch_size))
             with deferred_weights(), meta_parameters():  # parameters on meta: no memory, no init
                 model = build_model(cfg.model)
-            model = _to(model, device, precision.param_dtype)
+            model = to_device(model, device, precision.param_dtype)
             check_model(cfg, model)
             task = build_task(cfg, data, model)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -446,8 +446,7 @@ def _first_step(run: Any, step: Any) -> None:
     ZeRO's and the precision's), made by a step on zero gradients, which runs the optimizer's
     whole side of train_step without the forward and backward (half the trace's time); with a
     pipeline the whole first step, whose schedule learns the stages' shapes in it."""
-    from kiln.train._batches import Step
-    from kiln.train.loop import train_step
+    from kiln.train.parts import Step, train_step
 
     if run.par.pipeline is not None:
         train_step(run, step)
@@ -538,41 +537,12 @@ def _one_mode() -> Iterator[None]:
             del FakeTensorMode.__deepcopy__
 
 
-@contextlib.contextmanager
-def _row_norms() -> Iterator[None]:
-    """The one stand-in of the trace: kiln's blocked norm (the clip's, LAMB's) reduces a long
-    tensor's 64 Ki-element rows as a list of views, which costs a fake operator per row (5,400
-    for a 354 M-parameter arena, minutes for 7 B); here each long tensor's rows are one
-    reduction over a (rows, BLOCK) view. The same norms in the same dtype; the few kilobytes
-    of per-row results are one tensor instead of many."""
-    import math
+def _row_norms() -> Any:
+    """The one stand-in of the trace: kiln's blocked norms reduce each long tensor as one view
+    (:func:`kiln.optim.norms_as_row_views`), not a fake operator per 64 Ki-element row."""
+    from kiln.optim import norms_as_row_views
 
-    from kiln.optim import _base, _clip, _norms
-
-    def tensor_norms(tensors: list[torch.Tensor], p: float = 2.0, dtype: torch.dtype | None = None) -> torch.Tensor:
-        p = float(p)
-        if not tensors or not (p > 0 and any(t.numel() > _norms.BLOCK for t in tensors)):
-            return original(tensors, p, dtype)
-        dtype = dtype or torch.promote_types(tensors[0].dtype, torch.float32)
-        out = []
-        for t in tensors:
-            flat = t.reshape(-1)
-            full = flat.numel() // _norms.BLOCK * _norms.BLOCK
-            if full == 0:
-                out.append(torch.linalg.vector_norm(flat, p, dtype=dtype))
-                continue
-            rows = torch.linalg.vector_norm(flat[:full].view(-1, _norms.BLOCK), p, dim=1, dtype=dtype)
-            if full < flat.numel():
-                rows = torch.cat([rows, torch.linalg.vector_norm(flat[full:], p, dtype=dtype).reshape(1)])
-            out.append(rows.max() if math.isinf(p) else rows.pow(p).sum().pow(1.0 / p))
-        return torch.stack(out)
-
-    original = _norms.tensor_norms
-    _base.tensor_norms = _clip.tensor_norms = _norms.tensor_norms = tensor_norms
-    try:
-        yield
-    finally:
-        _base.tensor_norms = _clip.tensor_norms = _norms.tensor_norms = original
+    return norms_as_row_views()
 
 
 @contextlib.contextmanager
@@ -618,22 +588,6 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- budgets
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
-          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``8GB``, ``512MiB``, ``1.5G`` or ``1000000`` (units are powers of
-    1024, as memory is sold and reported); ValueError naming the forms it takes."""
-    import re
-
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = found.group(2).upper() if found else None
-    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a memory size; write e.g. 8GB, 512MB or 1.5GiB")
-    return int(float(found.group(1)) * _UNITS[unit])
-
 
 def machine_budget(device: torch.device | str, processes: int) -> int | None:
     """The memory each of ``processes`` local processes can have here: on CPU the memory

@@ -104,13 +104,13 @@ def tune_within(config: str | Path, overrides: Iterable[str] = (), *, nproc: int
 
     from kiln._search import AXES, NoFit, search
     from kiln.config import load_config
-    from kiln.config._load import _parse_overrides
+    from kiln.config import parse_overrides
 
     from omegaconf import OmegaConf
 
     overrides = list(overrides)
     cfg = load_config(config, overrides)  # a bad config fails here, before any plan
-    given = {k for k, _ in _parse_overrides(overrides)}
+    given = {k for k, _ in parse_overrides(overrides)}
     pinned = {k: OmegaConf.select(cfg, k) for k in AXES if k in given}  # typed, as validated
 
     def load(more: list[str]) -> Any:

@@ -102,12 +102,12 @@ def test_unknown_benchmark_leaves_no_folder(tmp_path, capsys, monkeypatch):
 def test_non_ascii_overrides_parse_like_ascii_ones():
     from kiln.config import load_config
 
-    from kiln.config._load import _parse_overrides
+    from kiln.config import parse_overrides
 
     cfg = load_config(MLP, ["train.output_dir=/tmp/out_é", "train.run_name='démo über'", "train.max_steps=7"])
     assert cfg.train.output_dir == "/tmp/out_é" and cfg.train.run_name == "démo über"
     assert cfg.train.max_steps == 7  # the other overrides are still typed
-    assert _parse_overrides(["data.args={städte: [Zürich, 3], n: 2}"]) == [
+    assert parse_overrides(["data.args={städte: [Zürich, 3], n: 2}"]) == [
         ("data.args", {"städte": ["Zürich", 3], "n": 2})]
 
 

@@ -115,9 +115,7 @@ def _measure_rank(rank: int, world: int, cfg: Any) -> dict[str, int]:
     import torch
 
     from kiln._profiling import profiled
-    from kiln.train._memory import _running_peak, live_tensor_bytes
-    from kiln.train._setup import setup
-    from kiln.train.loop import train_step
+    from kiln.train.parts import live_tensor_bytes, running_peak, setup, train_step
 
     # what this process held before (another row's plan, its cached data): kept alive, so
     # that no new tensor takes one of their addresses
@@ -135,8 +133,9 @@ def _measure_rank(rank: int, world: int, cfg: Any) -> dict[str, int]:
             everything = _live_bytes(run, {st.data_ptr() for st in before})
             with profiled(profile_memory=True) as prof:
                 train_step(run, next(run.batches))
-            step = _running_peak(prof)
-            return {"model_and_optimizer": held + step, "every_tensor": everything + step}
+            step = running_peak(prof)
+            return {"model_and_optimizer": held + step, "every_tensor": everything + step,
+                    "live_at_start": everything, "step_rise": step}
         finally:
             run.progress.close()
             run.out.close()

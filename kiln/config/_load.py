@@ -106,7 +106,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- overrides
 
 
-def _parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
+def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
+    """``key=value`` overrides as (dotted key, value) pairs, values parsed as the command line's
+    (Hydra's grammar: numbers, lists, mappings, quoted strings); ConfigError for one it cannot read."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -475,7 +477,7 @@ def _validate_ranges(cfg: dict[str, Any]) -> None:
                                   "train.output_dir to a directory (it is created if missing)")
             break
     if train["memory_budget"] is not None:
-        from kiln.plan import parse_size
+        from kiln._units import parse_size
 
         try:
             parse_size(train["memory_budget"])
@@ -608,7 +610,7 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
     from omegaconf import OmegaConf
 
     tree = _read_file(Path(path))
-    for key, value in _parse_overrides(overrides):
+    for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
     checked = validate(tree)
     return OmegaConf.create(_to_plain(checked))
