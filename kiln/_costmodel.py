@@ -132,7 +132,8 @@ def _fastest_of(fn: Any, n: int) -> float:
 
 
 def _matmul(dtype: torch.dtype, n: int = 256) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    g = torch.Generator().manual_seed(0)  # its own: the global random stream stays the run's
+    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     return 2 * n**3 / _best_seconds(lambda: a @ b)
 
 
@@ -140,9 +141,10 @@ def _op_seconds() -> float:
     """Seconds per operator of a small model's forward and backward: overhead, not arithmetic."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
-                                torch.nn.Linear(16, 16))
-    x = torch.randn(8, 16)
+    with torch.random.fork_rng(devices=[]):  # the global random stream stays the run's
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                    torch.nn.Linear(16, 16))
+        x = torch.randn(8, 16)
 
     def step() -> None:
         model(x).square().mean().backward()

@@ -104,7 +104,10 @@ PEAK_CACHE = "peak_flops"
 
 def _matmul_flops(dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
     """FLOP/s of the fastest of ``repeats`` ``n`` x ``n`` matmuls (after an untimed one)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    # its own generator: a measurement at setup must not move the run's random stream (a run
+    # that found the peak cached would otherwise draw other dropout masks than one that measured)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     a @ b  # the first call allocates and, for bf16, builds oneDNN's kernel
     best = float("inf")
     started = time.perf_counter()
