@@ -352,6 +352,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
 
     from kiln._memtrace import StorageTracker
     from kiln.hf import deferred_weights, materialize, meta_parameters
+    from kiln.optim import norms_as_row_views
     from kiln.precision import Precision
     from kiln.train.parts import (Batches, Meter, build_model, build_scheduler, build_task, check_model,
                                   check_steps, lay_out, steps_per_epoch, to_device, train_step)
@@ -390,7 +391,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             with fake, tracker, tracker.resizes(), _one_mode():
                 par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
-            with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox), _row_norms():
+            with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox), norms_as_row_views():
                 scheduler = build_scheduler(cfg.optim, optimizer, 2)
                 run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
                                device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
@@ -535,14 +536,6 @@ def _one_mode() -> Iterator[None]:
             FakeTensorMode.__deepcopy__ = saved  # type: ignore[method-assign]
         else:
             del FakeTensorMode.__deepcopy__
-
-
-def _row_norms() -> Any:
-    """The one stand-in of the trace: kiln's blocked norms reduce each long tensor as one view
-    (:func:`kiln.optim.norms_as_row_views`), not a fake operator per 64 Ki-element row."""
-    from kiln.optim import norms_as_row_views
-
-    return norms_as_row_views()
 
 
 @contextlib.contextmanager
