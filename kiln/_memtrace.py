@@ -108,6 +108,7 @@ class StorageTracker(TorchDispatchMode):
         # while counting, also: operators dispatched, and collectives with the bytes handed to them
         # (what kiln tune's cost model charges for per-operator overhead and communication)
         self.ops = self.collectives = self.collective_bytes = 0
+        self.paused = 0  # > 0: operators run unseen (DTensor's sharding propagation: see patched())
 
     # ------------------------------------------------------------------ following storages
     def _key(self, st: torch.UntypedStorage) -> int | None:
@@ -178,7 +179,7 @@ class StorageTracker(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         kwargs = kwargs or {}
-        if func in _QUERIES:  # metadata, no tensor made
+        if func in _QUERIES or self.paused:  # metadata, no tensor made; or not the step's own
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs its local ops, which come back through here
@@ -206,24 +207,43 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     @contextlib.contextmanager
-    def resizes(self) -> Iterator[None]:
-        """Follow ``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a gathered
-        parameter by resizing its storage to 0 and refills it before the next gather."""
-        original = torch.UntypedStorage.resize_
+    def patched(self) -> Iterator[None]:
+        """What the dispatch mode alone gets wrong, set right while tracing:
+
+        - ``UntypedStorage.resize_``, which no dispatch mode sees, is followed: FSDP2 frees a
+          gathered parameter by resizing its storage to 0 and refills it before the next gather.
+        - DTensor's sharding propagation is not followed. Under a fake mode it runs each operator
+          once more, on fake tensors of the *global* shapes, to learn the output's metadata
+          (``ShardingPropagator._propagate_tensor_meta_non_cached``, uncached while a fake mode is
+          active); eager runs that on a fake mode of its own, with no memory and no FLOPs. Seen,
+          it charged a tensor-parallel step a whole-vocabulary loss gradient it never holds and
+          the FLOPs of unsplit matmuls."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        resize, propagate = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
         tracker = self
 
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
-            out = original(st, size)
+            out = resize(st, size)
             key = tracker._key(st)
             if key is not None and st.nbytes() != tracker.size.get(key):
                 tracker._resize(key, st.nbytes())
             return out
 
+        def propagate_unseen(prop: Any, op_schema: Any) -> Any:
+            tracker.paused += 1
+            try:
+                return propagate(prop, op_schema)
+            finally:
+                tracker.paused -= 1
+
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate_unseen  # type: ignore[method-assign]
         try:
             yield
         finally:
-            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+            torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def saved_for_backward(self) -> Iterator[None]:

@@ -381,17 +381,17 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             task = build_task(cfg, data, model)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
             tracker = StorageTracker(fake)
-            with fake, tracker, tracker.resizes():
+            with fake, tracker, tracker.patched():
                 materialize(model, device)
                 for module in model.modules():
                     for name, buf in module._buffers.items():
                         if buf is not None and not buf.is_meta:
                             module._buffers[name] = fake.from_tensor(buf)
                 tracker.follow(list(model.parameters()), list(model.buffers()))
-            with fake, tracker, tracker.resizes(), _one_mode():
+            with fake, tracker, tracker.patched(), _one_mode():
                 par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
-            with fake, tracker, tracker.resizes(), _dry_pipeline(mailbox), norms_as_row_views():
+            with fake, tracker, tracker.patched(), _dry_pipeline(mailbox), norms_as_row_views():
                 scheduler = build_scheduler(cfg.optim, optimizer, 2)
                 run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
                                device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
