@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from kiln import _cache
+from kiln._flops import matmul_flops
 
 __all__ = ["Speeds", "measure_speeds", "predict_seconds", "threads_per_process"]
 
@@ -132,9 +133,9 @@ def _fastest_of(fn: Any, n: int) -> float:
 
 
 def _matmul(dtype: torch.dtype, n: int = 256) -> float:
-    g = torch.Generator().manual_seed(0)  # its own: the global random stream stays the run's
-    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
-    return 2 * n**3 / _best_seconds(lambda: a @ b)
+    """A small model's matmul speed: the fastest of 0.3 s of ``n`` x ``n`` matmuls (the MFU's
+    peak, :func:`kiln._flops.cpu_peak`, times the same matmul at 1024)."""
+    return matmul_flops(dtype, n, repeats=100_000, budget_s=0.3)
 
 
 def _op_seconds() -> float:

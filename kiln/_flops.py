@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln import _cache, hardware
 
-__all__ = ["CountFlops", "GPU_PEAKS", "mfu", "op_flops", "peak_flops"]
+__all__ = ["CountFlops", "GPU_PEAKS", "matmul_flops", "mfu", "op_flops", "peak_flops"]
 
 
 def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
@@ -102,7 +102,7 @@ MATMUL_N = 1024  # the CPU peak's square matmul; 256 where the dtype is emulated
 PEAK_CACHE = "peak_flops"
 
 
-def _matmul_flops(dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
+def matmul_flops(dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
     """FLOP/s of the fastest of ``repeats`` ``n`` x ``n`` matmuls (after an untimed one)."""
     # its own generator: a measurement at setup must not move the run's random stream (a run
     # that found the peak cached would otherwise draw other dropout masks than one that measured)
@@ -132,9 +132,9 @@ def cpu_peak(dtype: torch.dtype, *, cache: bool = True) -> float:
     n = MATMUL_N if native else MATMUL_N // 4
     hit = _cache.get(PEAK_CACHE, key) if cache else None
     if hit is None:
-        flops = _matmul_flops(dtype, n, repeats=5, budget_s=0.5)
+        flops = matmul_flops(dtype, n, repeats=5, budget_s=0.5)
     else:
-        flops = max(float(hit["flops"]), _matmul_flops(dtype, n, repeats=1, budget_s=0.0))
+        flops = max(float(hit["flops"]), matmul_flops(dtype, n, repeats=1, budget_s=0.0))
         if flops == float(hit["flops"]):
             return flops
     if cache:

@@ -74,7 +74,7 @@ def test_cpu_peak_is_measured_once_and_keeps_the_best(monkeypatch, tmp_path):
         calls.append(repeats)
         return next(timed)
 
-    monkeypatch.setattr(fl, "_matmul_flops", fake)
+    monkeypatch.setattr(fl, "matmul_flops", fake)
     assert fl.cpu_peak(torch.float32) == 40e9
     assert fl.cpu_peak(torch.float32) == 40e9  # one more matmul, slower: the cached figure
     assert fl.cpu_peak(torch.float32) == 50e9
@@ -120,7 +120,7 @@ def test_measuring_the_peaks_leaves_the_runs_random_stream_alone():
     torch.manual_seed(0)
     expected = torch.rand(4)
     torch.manual_seed(0)
-    fl._matmul_flops(torch.float32, 32, 1, 1.0)
+    fl.matmul_flops(torch.float32, 32, 1, 1.0)
     _costmodel._matmul(torch.float32, 32)
     _costmodel._op_seconds()
     assert torch.equal(torch.rand(4), expected)
