@@ -33,8 +33,8 @@ import torch
 
 from kiln._units import parse_size  # (kiln plan --memory-budget; importable from here as before)
 
-__all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "describe", "fit_problem", "machine_budget",
-           "parse_size", "plan"]
+__all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
+           "machine_budget", "parse_size", "plan"]
 
 
 def _state_tensors(optim_cfg: Any) -> int:
@@ -619,3 +619,52 @@ def fit_problem(planned: Plan, budget: int, where: str) -> str | None:
     return (f"the plan's fullest rank {full.rank} peaks at {_mb(full.peak_bytes)} (model states {_mb(states)}, "
             f"activations and temporaries {_mb(full.activations + full.temporary)}), over {where} "
             f"({_mb(budget)} a rank); to fit, try {', '.join(moves[:3])}")
+
+
+# kiln train plans a config before it starts when the model's states alone could take this share
+# of a process's memory: below it a plan's seconds would be spent on runs that fit by far (the
+# test suite's hundreds of small ones among them); above it the seconds are nothing beside the run
+PREFLIGHT_SHARE = 1 / 8
+
+
+def check_fits(cfg: Any, world: int) -> None:
+    """``kiln train``'s check before any process starts or any weight is allocated: a config
+    whose plan exceeds the machine (``train.memory_budget`` where set, else the memory available
+    to each of the ``world`` local processes, or the GPU's) raises ``ConfigError``, one line
+    naming the fullest rank's predicted peak and what would make it fit. Planned only when the
+    model's parameters, gradients and optimizer state (counted on the meta device) could take
+    :data:`PREFLIGHT_SHARE` of the budget; a model that cannot be built on meta, or traced, is
+    left to the run."""
+    from kiln.errors import ConfigError
+    from kiln.hf import deferred_weights, meta_parameters
+    from kiln.train.parts import build_model
+
+    tc, pc = cfg.train, cfg.parallel
+    device = plan_device(tc.device)
+    if tc.memory_budget is not None:
+        budget, where = parse_size(tc.memory_budget), f"train.memory_budget={tc.memory_budget}"
+    else:
+        budget = machine_budget(device, world if device.type == "cpu" else 1)
+        where = ("this machine's available memory" + (f" shared by {world} processes" if world > 1 else "")
+                 if device.type == "cpu" else f"the memory of {device.type}")
+    if budget is None:
+        return
+    try:
+        with deferred_weights(), meta_parameters():
+            params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001  (the run builds it for real, and says what is wrong then)
+        return
+    dp = pc.dp or max(1, world // (pc.tp * pc.pp))
+    per_rank = params / (pc.tp * pc.pp * (dp if pc.zero == 3 else 1))
+    states = per_rank * 4 * (2 + _state_tensors(cfg.optim))  # fp32 weight, gradient, each state tensor
+    if states < budget * PREFLIGHT_SHARE:
+        return
+    try:
+        planned = plan(cfg, world, device=device)
+    except PlanUnavailable:
+        return
+    problem = fit_problem(planned, budget, where)
+    if problem:
+        raise ConfigError(f"{problem} (kiln plan shows the whole plan; train.memory_budget=SIZE sets the budget)")

@@ -109,6 +109,27 @@ def test_a_plan_over_budget_is_one_line_naming_the_peak_and_the_way_out(capsys):
     assert "is not a memory size" in capsys.readouterr().err
 
 
+def test_kiln_train_refuses_a_config_whose_plan_exceeds_the_machine_before_it_starts(tmp_path, capsys, monkeypatch):
+    import kiln.plan
+
+    planned = []
+    real_plan = kiln.plan.plan
+    monkeypatch.setattr(kiln.plan, "plan", lambda *a, **k: planned.append(a) or real_plan(*a, **k))
+    out = tmp_path / "runs"
+    code = main(["train", GPT, "train.precision=fp32", "model.depth=1", "train.memory_budget=2MB",
+                 f"train.output_dir={out}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "peaks at" in err and "train.memory_budget=2MB" in err and "activation checkpointing" in err
+    assert len(planned) == 1 and not out.exists()  # planned, refused, and nothing made or trained
+    # the machine's own memory where no budget is set: this small run fits by far, and is not even
+    # planned (its model states are under PREFLIGHT_SHARE of it); it trains
+    planned.clear()
+    assert main(["train", GPT, "train.precision=fp32", "model.depth=1", "train.max_steps=2", "train.eval_every=0",
+                 f"train.output_dir={out}"]) == 0
+    assert not planned and len(list(out.iterdir())) == 1
+
+
 def test_parse_size():
     assert parse_size("8GB") == 8 * 2**30 and parse_size("512MiB") == 512 * 2**20
     assert parse_size("1.5G") == int(1.5 * 2**30) and parse_size("1000") == 1000

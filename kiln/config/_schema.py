@@ -95,7 +95,8 @@ class TrainConfig:
     # allocation); false: not measured (null), no profiler
     measure_memory: bool = True
     # the peak tensor memory a process may use, e.g. 8GB, 512MB, 1.5GiB (or bytes), for
-    # parallel.auto's choice; None: the device's memory (a GPU's; on CPU the memory available
+    # parallel.auto's choice and the check that a config fits before kiln train starts it
+    # (kiln.plan.check_fits); None: the device's memory (a GPU's; on CPU the memory available
     # now, divided among the local processes)
     memory_budget: Optional[Union[int, str]] = None
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal

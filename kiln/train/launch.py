@@ -4,7 +4,8 @@ processes, or as one rank of them; and how every ``kiln`` command ends, as an ex
     train_command(config, overrides, resume=None, nproc=1)
         started by torchrun (LOCAL_RANK set)   one rank of the run: kiln's launcher started
                                                it, or the user's torchrun on several machines
-        else: the checks (resume, layout, and the model for N > 1), before any process starts
+        else: the checks (resume, layout, whether the plan fits the machine, and the model
+                                               for N > 1), before any process starts
         nproc == 1                             the whole run, in this process
         nproc > 1                              the launcher: the run directory made or opened,
                                                and locked; N processes under torchrun's elastic
@@ -83,6 +84,9 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
         # (refused with how to extend it)
         check_resume(run_dir, cfg)
     check_layout(cfg, nproc)  # dp x tp x pp against the processes
+    from kiln.plan import check_fits
+
+    check_fits(cfg, nproc)  # a config whose plan exceeds the machine, refused before it allocates
     if nproc == 1:
         return _train_here(cfg, run_dir, name, worker=False)
     check_model(cfg)  # on the meta device: what the model allows
