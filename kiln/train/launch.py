@@ -66,7 +66,8 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
         raise CheckpointError(f"{run_dir} is not a kiln run directory (no {CONFIG} in it)")
     cfg = load_config(run_dir / CONFIG if run_dir is not None else config, overrides)  # checked here, first
     name = _run_name(Path(config)) if run_dir is None else "run"
-    if cfg.parallel.auto:
+    chosen = cfg.parallel.auto
+    if chosen:
         if "LOCAL_RANK" in os.environ or run_dir is not None:
             raise ConfigError("parallel.auto=true is chosen once, by kiln train --nproc N before any process "
                               "starts (not by each rank under torchrun, nor on --resume): run kiln tune CONFIG "
@@ -84,9 +85,10 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
         # (refused with how to extend it)
         check_resume(run_dir, cfg)
     check_layout(cfg, nproc)  # dp x tp x pp against the processes
-    from kiln.plan import check_fits
+    if not chosen:  # (parallel.auto's choice was planned to fit already)
+        from kiln.plan import check_fits
 
-    check_fits(cfg, nproc)  # a config whose plan exceeds the machine, refused before it allocates
+        check_fits(cfg, nproc)  # a config whose plan exceeds the machine, refused before it allocates
     if nproc == 1:
         return _train_here(cfg, run_dir, name, worker=False)
     check_model(cfg)  # on the meta device: what the model allows
