@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import itertools
 
 import pytest
@@ -82,6 +83,26 @@ def test_digits_does_not_import_sklearn_until_built(fresh_python):
     code = "import sys, kiln.data; print('sklearn' in sys.modules)"
     out = fresh_python(code)
     assert out.strip() == "False"
+
+
+def test_digits_are_load_digits_and_its_split_without_importing_sklearn_once_cached(fresh_python, tmp_path):
+    # read from the file scikit-learn ships; the stratified split computed by scikit-learn once
+    # and cached; a later process builds digits without importing scikit-learn (2 s of imports)
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    code = f"""
+import os, sys, json
+os.environ["KILN_CACHE_DIR"] = {str(tmp_path)!r}
+from kiln.data import build_dataset
+d = build_dataset("digits", seed=0, split_seed=2)
+print(json.dumps(['sklearn' in sys.modules, d.val.tensors[1].tolist(), d.train.tensors[0].sum().item()]))
+"""
+    first, second = (json.loads(fresh_python(code)) for _ in range(2))
+    assert first[0] and not second[0] and first[1:] == second[1:]
+    bunch = load_digits()
+    _, val_idx = train_test_split(range(1797), test_size=297, stratify=bunch.target, random_state=2)
+    assert second[1] == bunch.target[val_idx].tolist()
 
 
 # --------------------------------------------------------------------------- synthetic

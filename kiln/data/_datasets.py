@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -122,6 +123,43 @@ def _check_positive(dataset: str, **values: int) -> None:
 _DIGITS_VAL = 297  # 1797 images -> 1500 train / 297 val
 
 
+def _digits_arrays() -> tuple[Any, Any]:
+    """``(images (1797, 8, 8), target (1797,))`` as ``sklearn.datasets.load_digits`` gives
+    them, read from the file scikit-learn ships, without importing scikit-learn (2 s of every
+    process that trains on digits: it imports scipy)."""
+    import gzip
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package, imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the digits data set is scikit-learn's: pip install scikit-learn")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, "rt") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
+def _digits_split(target: Any, split_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's stratified ``train_test_split`` of the digits (297 held out), computed
+    once per scikit-learn version and split seed and kept in kiln's cache (:mod:`kiln._cache`)."""
+    from importlib.metadata import version
+
+    from kiln import _cache
+
+    key = f"digits|{_DIGITS_VAL}|{split_seed}|scikit-learn {version('scikit-learn')}"
+    hit = _cache.get("data_splits", key)
+    if hit is None:
+        from sklearn.model_selection import train_test_split
+
+        train_idx, val_idx = train_test_split(range(len(target)), test_size=_DIGITS_VAL, stratify=target,
+                                              random_state=split_seed)
+        hit = {"train": [int(i) for i in train_idx], "val": [int(i) for i in val_idx]}
+        _cache.put("data_splits", key, hit)
+    return torch.tensor(hit["train"]), torch.tensor(hit["val"])
+
+
 @register_dataset("digits")
 def digits(seed: int, *, split_seed: int = 0) -> DataSplits:
     """scikit-learn's 1797 handwritten 8x8 digits (bundled, no download), 1500 train / 297 val.
@@ -131,17 +169,10 @@ def digits(seed: int, *, split_seed: int = 0) -> DataSplits:
     train split's (scalar) mean and std. ``seed`` is unused: nothing here is random per run.
     """
     del seed
-    # sklearn takes about a second to import; only pay for it when digits are used.
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    x = torch.from_numpy(bunch.images).to(torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
-    y = torch.from_numpy(bunch.target).to(torch.int64)  # (1797,)
-    train_idx, val_idx = train_test_split(
-        torch.arange(len(y)).numpy(), test_size=_DIGITS_VAL, stratify=bunch.target, random_state=split_seed
-    )
-    train_idx, val_idx = torch.from_numpy(train_idx), torch.from_numpy(val_idx)
+    images, target = _digits_arrays()
+    x = torch.from_numpy(images).to(torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
+    y = torch.from_numpy(target).to(torch.int64)  # (1797,)
+    train_idx, val_idx = _digits_split(target, split_seed)
     x_train, x_val = x[train_idx], x[val_idx]
     mean, std = x_train.mean(), x_train.std()
     return DataSplits(

@@ -10,7 +10,6 @@ from typing import Any
 from kiln.errors import ConfigError
 from kiln.parallel._mesh import Layout, resolve_layout
 from kiln.parallel._pp import check_pipeline
-from kiln.parallel._tp import check_tp
 
 __all__ = ["check_parallel_config"]
 
@@ -76,6 +75,8 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
         raise ConfigError(f"train.compile=true with parallel.pp={pp} is not supported: pipeline stages run their "
                           "own forward; set train.compile=false")
     if tp > 1:
+        from kiln.parallel._tp import check_tp  # (DTensor: a second to import, for tp > 1 only)
+
         try:
             check_tp(model_cfg, tp, sequence_parallel=par["sequence_parallel"])
         except ValueError as exc:
