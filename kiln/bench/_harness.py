@@ -275,16 +275,14 @@ def _load_note(load: tuple[tuple[float, ...], ...], cpus: int, processes: int) -
 
 
 def _draw(panels: list[Bars], path: Path, title: str) -> None:
-    from kiln._plotting import pyplot
+    from kiln._plotting import subplots
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel.draw(ax)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 _DOCS_HEAD = """# Measured benchmarks

@@ -18,13 +18,11 @@ def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float
 
 def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Train and eval loss against step, from ``metrics.csv``."""
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
+    from kiln._plotting import subplots
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     for key, label, style in (("train_loss", "train", "-"), ("eval_loss", "eval", "o-")):
         xs, ys = _series(rows, key)
         if xs:
@@ -38,5 +36,4 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / "loss.png"
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out

@@ -58,14 +58,12 @@ def check_runs(paths: list[str]) -> list[Path]:
 
 def plot(runs: list[Path], out: Path) -> Path:
     """Train loss and every eval metric of every run against step, one panel each, in one figure."""
-    from kiln._plotting import pyplot
-
-    plt = pyplot()
+    from kiln._plotting import subplots
     metrics = {run: read_metrics(run) for run in runs}
     evals = _eval_columns([row for rows in metrics.values() for row in rows[:1]])
     panels = [("train_loss", "train loss", True)] + [(k, k.replace("_", " "), k.endswith(("loss", "perplexity")))
                                                       for k in evals]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     axes = axes[0]
     for run in runs:
         rows = metrics[run]
@@ -82,5 +80,4 @@ def plot(runs: list[Path], out: Path) -> Path:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
