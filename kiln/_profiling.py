@@ -8,23 +8,39 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["profiled"]
+__all__ = ["Profiled", "profiled"]
+
+
+class Profiled:
+    """What :func:`profiled` yields: ``profiler``, torch's (its ``kineto_results`` hold the
+    memory events), and :meth:`events`, the operators' events, as ``torch.profiler.profile``
+    has them."""
+
+    def __init__(self, profiler: Any) -> None:
+        self.profiler = profiler
+
+    def events(self) -> Any:
+        return self.profiler.function_events
 
 
 @contextlib.contextmanager
-def profiled(**options: Any) -> Iterator[Any]:
-    """``torch.profiler.profile`` of CPU activities around the block (``options``: the
-    profiler's own, e.g. ``profile_memory=True``); read its events after it."""
-    from torch.profiler import ProfilerActivity, profile
+def profiled(**options: Any) -> Iterator[Profiled]:
+    """A profile of CPU activities around the block (``options``: the profiler's own, e.g.
+    ``profile_memory=True``); read its events after it.
 
-    prof = profile(activities=[ProfilerActivity.CPU], **options)
+    This is ``torch.profiler.profile(activities=[CPU])`` without its wrapper, whose start asks
+    ``hasattr(torch, "_inductor")``: that imports torch's compiler and dynamo (1-2 s), in every
+    run that measures its tensor memory; the autograd profiler underneath records the same."""
+    from torch.autograd.profiler import profile
+
+    prof = profile(use_cpu=True, use_kineto=True, **options)
     with _quiet_stderr():
-        prof.start()
+        prof.__enter__()
     try:
-        yield prof
+        yield Profiled(prof)
     finally:
         with _quiet_stderr():
-            prof.stop()
+            prof.__exit__(None, None, None)
 
 
 @contextlib.contextmanager

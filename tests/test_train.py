@@ -226,3 +226,23 @@ def test_importing_the_trainer_pulls_in_nothing_heavy(fresh_python):
     )
     out = fresh_python(code)
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("config", ["configs/digits_mlp.yaml", "configs/gpt_tiny.py"])
+def test_a_run_imports_neither_torchs_compiler_nor_scikit_learn(fresh_python, tmp_path, config):
+    # each of torch._dynamo and sklearn costs a process ~1-2 s, as much as torch itself: a kiln
+    # train process that compiles nothing loads neither. Dynamo was reached before by torch.optim's
+    # dynamo-disabled methods, torch.profiler's start, DCP's model state dict and initialisation on
+    # the meta device (the fit check)
+    code = f"""
+import os, sys
+from kiln.cli import main
+os.environ["KILN_CACHE_DIR"] = {str(tmp_path)!r}
+args = ["train", {str(ROOT / config)!r}, "train.max_steps=3", "train.eval_every=2", "train.checkpoint_every=2",
+        "train.precision=fp32", "train.output_dir={tmp_path / 'runs'}"]
+first = main(args)
+print(first, [m for m in ("torch._dynamo", "sklearn") if sys.modules.get(m)])
+"""
+    if "digits" in config:  # the digits' split is computed by scikit-learn once, then cached
+        fresh_python(code)
+    assert fresh_python(code).strip().splitlines()[-1] == "0 []"

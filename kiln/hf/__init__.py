@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["copy_weights", "deferred_weights", "describe", "export_checkpoint", "from_pretrained", "is_hf_model",
            "load_inner_weights", "load_weights", "materialize", "meta_parameters", "weights_source",
@@ -100,9 +101,31 @@ def meta_parameters() -> Iterator[None]:
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
-        yield
+        with _NoInitOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+class _NoInitOnMeta(TorchDispatchMode):
+    """In-place operators on ``meta`` tensors return them untouched: a meta tensor has no values
+    for an initialisation (``normal_``, ``uniform_``, ``mul_``, ...) to write. Run, they would
+    cost more than nothing: the meta kernels of torch's random operators are Python references
+    wrapped in ``torch._disable_dynamo``, whose first call imports torch's compiler (1-2 s).
+    Operators that change a tensor's shape or strides in place run as they are."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (True wraps __torch_dispatch__ in torch._dynamo.disable, importing it)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor) and args[0].is_meta
+                and torch.Tag.inplace_view not in func.tags and func._overloadpacket not in _RESHAPING):
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+_RESHAPING = {torch.ops.aten.resize_, torch.ops.aten.resize_as_, torch.ops.aten.set_}
 
 
 def from_pretrained(path: str, model_class: str = "AutoModelForCausalLM", *, lazy: bool | None = None,

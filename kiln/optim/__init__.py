@@ -26,7 +26,7 @@ import torch
 
 from kiln.optim import _base, _clip, _norms
 from kiln.optim._arena import Arena, ArenaSlice, Piece, arena_layout
-from kiln.optim._base import ArenaOptimizer
+from kiln.optim._base import ArenaOptimizer, torch_method
 from kiln.optim._clip import clip_grad_norm_
 from kiln.optim._native import native_kernels_build
 from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
@@ -35,7 +35,7 @@ from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 OPTIMIZERS = {cls.config_name: cls for cls in (AdamW, Adam, SGD, LAMB, LARS)}
 
 __all__ = ["Arena", "ArenaSlice", "Piece", "arena_layout", "ArenaOptimizer", "SGD", "Adam", "AdamW", "LAMB", "LARS",
-           "OPTIMIZERS", "clip_grad_norm_", "native_kernels_build", "norms_as_row_views"]
+           "OPTIMIZERS", "clip_grad_norm_", "native_kernels_build", "norms_as_row_views", "torch_method"]
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ which case it takes exactly torch's path.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
@@ -40,6 +41,17 @@ from kiln.optim._shard import Sharding, SumOver
 def _by_torch(group: dict[str, Any]) -> bool:
     """The group asks for what only torch's own implementation does (see ArenaOptimizer)."""
     return bool(group.get("capturable") or group.get("differentiable"))
+
+
+def torch_method(name: str) -> Callable[..., Any]:
+    """``torch.optim.Optimizer``'s method ``name``, for a subclass to call in place of
+    ``super()``. torch wraps ``add_param_group``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` in ``torch._disable_dynamo``, whose first call imports torch's compiler
+    (``torch._dynamo``: 1-2 s of every process that builds an optimizer and checkpoints). Where
+    dynamo is not loaded nothing can be tracing, so the function underneath is called; once it
+    is loaded, torch's wrapped method, as ``super()`` would."""
+    method = getattr(Optimizer, name)
+    return method if "torch._dynamo" in sys.modules else getattr(method, "__wrapped__", method)
 
 
 def _hooked_step(opt: "ArenaOptimizer", closure: Callable[[], Any] | None) -> Any:
@@ -142,7 +154,7 @@ class ArenaOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.sharding is not None:
             raise RuntimeError("kiln.optim: add_param_group() after shard(): add the group before sharding")
-        super().add_param_group(param_group)
+        torch_method("add_param_group")(self, param_group)
         group = self.param_groups[-1]
         if not self._supports_complex and any(torch.is_complex(p) for p in group["params"]):
             self.param_groups.pop()
@@ -205,7 +217,7 @@ class ArenaOptimizer(Optimizer):
         place (reading as zeros) but every parameter counts as having no gradient until
         autograd delivers one, so parameters outside the next backward are not updated."""
         if not self.contiguous:
-            return super().zero_grad(set_to_none)
+            return torch_method("zero_grad")(self, set_to_none)
         own = self.sharding.packs if self.sharding is not None and not self.sharding.keep_full_grad else ()
         self.packing.zero_grad(set_to_none, own)
 
@@ -249,7 +261,7 @@ class ArenaOptimizer(Optimizer):
         is this rank's piece of it, flat (empty where the rank holds none of the parameter),
         and ``"pieces"`` holds :meth:`shard_pieces`; a full dict is a gather of every rank's
         (``kiln.parallel.ZeroOptimizer.state_dict``)."""
-        sd = super().state_dict()
+        sd = torch_method("state_dict")(self)
         sd["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
                        for k, s in sd["state"].items()}
         if self.sharding is not None:
@@ -272,7 +284,7 @@ class ArenaOptimizer(Optimizer):
             raise ValueError("kiln.optim: a sharded state dict (with 'pieces') needs an optimizer sharded "
                              "the same way; load a full state dict instead")
         groups, state = self.param_groups, self.state
-        super().load_state_dict(state_dict)
+        torch_method("load_state_dict")(self, state_dict)
         # torch replaces the group dicts and the state: keep the objects that a ZeroOptimizer
         # (or anything else holding them) shares
         for g, new in zip(groups, self.param_groups):

@@ -50,7 +50,7 @@ from torch.optim.optimizer import _to_scalar
 from torch.optim.sgd import sgd as _torch_sgd
 
 from kiln.optim import _native, _rules
-from kiln.optim._base import ArenaOptimizer
+from kiln.optim._base import ArenaOptimizer, torch_method
 from kiln.optim._kernels import compiling, hyper, hyper_dtype, kernel
 from kiln.optim._packing import FlatRange, as_real
 from kiln.optim._segments import Segments, block_sumsq, column, segment_norms, segments
@@ -61,7 +61,10 @@ __all__ = ["SGD", "Adam", "AdamW", "LAMB", "LARS"]
 def _torch_checks(torch_cls: type, **hyper: Any) -> None:
     """torch's own constructor checks on these arguments, so that kiln refuses exactly what
     torch refuses, with the same error and message (a throwaway optimizer over one 0-d tensor)."""
-    torch_cls([torch.zeros((), requires_grad=True)], **hyper)
+    class Checked(torch_cls):  # type: ignore[misc,valid-type]
+        add_param_group = torch_method("add_param_group")  # (no import of torch._dynamo: see torch_method)
+
+    Checked([torch.zeros((), requires_grad=True)], **hyper)
 
 
 def _fused_ok(device: torch.device, dtype: torch.dtype, opt: ArenaOptimizer) -> bool:

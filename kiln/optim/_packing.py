@@ -52,6 +52,7 @@ backward fires the hooks, so it does not warn (tested).
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -69,11 +70,10 @@ _DEAD = object()  # what a dead watched view is expected to be: never any p.grad
 
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    # no DTensor exists before torch.distributed.tensor is imported (a second of imports, with
+    # sympy, that a run without tensor parallelism or FSDP2 never needs)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def as_real(ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -114,8 +116,20 @@ def _param_names(model: Modules, masters: dict[str, torch.Tensor] | None = None)
 def _model_state(model: Modules) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in _modules(model):
-        out.update(get_model_state_dict(m))
+        out.update(_state_dict(m))
     return out
+
+
+def _state_dict(module: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(module)``: by FQN, the local shards of FSDP2 and tensor-parallel
+    DTensors, a compiled module's names without ``_orig_mod``. A module of plain tensors that
+    was not compiled has nothing of that to map, and DCP's mapping imports torch's compiler
+    (``torch._dynamo``, 1-2 s, to ask whether the module is a compiled one): its own
+    ``state_dict()`` is the same dictionary, without that cost, in every run that checkpoints."""
+    compiled = "torch._dynamo" in sys.modules  # (nothing was compiled before dynamo was imported)
+    if compiled or any(isinstance(t, DTensor) for t in itertools.chain(module.parameters(), module.buffers())):
+        return get_model_state_dict(module)
+    return module.state_dict()
 
 
 def _held_shape(model: Modules) -> Any:
@@ -512,7 +526,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     _wait_parameters(optimizer)  # nothing may still be written into what is loaded
     reader = _SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
-    states = [get_model_state_dict(m) for m in _modules(model)]
+    states = [_state_dict(m) for m in _modules(model)]
     held = _held_shape(model)
     targets: dict[str, Any] = {_MODEL + k: _as_held(held, k, v, target=True) for sd in states for k, v in sd.items()}
     targets.update({_MASTER + k: v for k, v in (masters or {}).items()})

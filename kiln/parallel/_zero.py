@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from kiln.optim import ArenaOptimizer, ArenaSlice
+from kiln.optim import ArenaOptimizer, ArenaSlice, torch_method
 from kiln.parallel._dist import reducer
 from kiln.parallel._reducer import Backend, GradReducer, sum_over_ranks, tensors_of
 
@@ -190,6 +190,9 @@ class ZeroOptimizer(Optimizer):
             self._grad_hooks = [p.register_hook(hook) for _, ps in optimizer.packed_params() for p in ps
                                 if p.requires_grad]
             self._free_grads()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        torch_method("add_param_group")(self, param_group)  # (torch's, without importing torch._dynamo)
 
     # -- gradients ----------------------------------------------------------------------------
     def _free_grads(self) -> None:
