@@ -10,7 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (-n N) each worker is one of N processes sharing the cores: one intra-op
+# thread each, and for what it starts (kiln train subprocesses read OMP_NUM_THREADS), instead of
+# N processes each running a thread per core and waiting on each other's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # What kiln caches about the machine (train.precision=auto's timings, the CPU's matmul peak) goes
 # to a folder of this test session, not the user's ~/.cache/kiln; subprocesses inherit it.
