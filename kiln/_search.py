@@ -332,24 +332,19 @@ def auto_overrides(config: Any, overrides: list[str], nproc: int,
     from omegaconf import OmegaConf
 
     from kiln.config import load_config
-    from kiln._units import parse_size
     from kiln.config import parse_overrides
-    from kiln.plan import machine_budget, plan_device
+    from kiln.plan import plan_device, run_budget
 
     cfg = load_config(config, overrides)
     tc = cfg.train
     given = {k for k, _ in parse_overrides(overrides)}
     pinned = {k: OmegaConf.select(cfg, k) for k in AXES if k in given}
     pinned["train.precision"], pinned["train.compile"] = tc.precision, tc.compile
-    if tc.memory_budget is not None:
-        budget, where = parse_size(tc.memory_budget), f"train.memory_budget={tc.memory_budget}"
-    else:
-        device = plan_device(tc.device)
-        budget = machine_budget(device, nproc)
-        if budget is None:
-            raise ConfigError(f"parallel.auto=true: the memory of {device} is not known here; set "
-                              "train.memory_budget (e.g. train.memory_budget=8GB)")
-        where = "the memory available" + (f" shared by {nproc} processes" if nproc > 1 and device.type == "cpu" else "")
+    device = plan_device(tc.device)
+    budget, where = run_budget(tc, device, nproc)
+    if budget is None:
+        raise ConfigError(f"parallel.auto=true: the memory of {device} is not known here; set "
+                          "train.memory_budget (e.g. train.memory_budget=8GB)")
 
     def load(more: list[str]) -> Any:
         return load_config(config, [*overrides, "parallel.auto=false", *more])

@@ -34,7 +34,7 @@ import torch
 from kiln._units import parse_size  # (kiln plan --memory-budget; importable from here as before)
 
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
-           "machine_budget", "parse_size", "plan"]
+           "machine_budget", "parse_size", "plan", "run_budget"]
 
 
 def _state_tensors(optim_cfg: Any) -> int:
@@ -599,6 +599,17 @@ def machine_budget(device: torch.device | str, processes: int) -> int | None:
     return kib * 1024 // max(1, processes)
 
 
+def run_budget(tc: Any, device: torch.device, world: int) -> tuple[int | None, str]:
+    """``(bytes a process may use, what that budget is)`` for a run of ``world`` local
+    processes on ``device``: ``train.memory_budget`` where set, else :func:`machine_budget`
+    (None where the device's memory is not known here)."""
+    if tc.memory_budget is not None:
+        return parse_size(tc.memory_budget), f"train.memory_budget={tc.memory_budget}"
+    where = ("the memory available" + (f" shared by {world} processes" if world > 1 else "")
+             if device.type == "cpu" else f"the memory of {device.type}")
+    return machine_budget(device, world), where
+
+
 def fit_problem(planned: Plan, budget: int, where: str) -> str | None:
     """None when the fullest rank's peak fits ``budget`` bytes; else one line naming the peak
     and what would bring it under (``where``: what the budget is, e.g. "--memory-budget 8GB")."""
@@ -639,14 +650,10 @@ def check_fits(cfg: Any, world: int) -> None:
     from kiln.hf import deferred_weights, meta_parameters
     from kiln.train.parts import build_model
 
-    tc, pc = cfg.train, cfg.parallel
-    device = plan_device(tc.device)
-    if tc.memory_budget is not None:
-        budget, where = parse_size(tc.memory_budget), f"train.memory_budget={tc.memory_budget}"
-    else:
-        budget = machine_budget(device, world if device.type == "cpu" else 1)
-        where = ("this machine's available memory" + (f" shared by {world} processes" if world > 1 else "")
-                 if device.type == "cpu" else f"the memory of {device.type}")
+    from kiln.parallel import check_parallel_config
+
+    device = plan_device(cfg.train.device)
+    budget, where = run_budget(cfg.train, device, world)
     if budget is None:
         return
     try:
@@ -656,8 +663,8 @@ def check_fits(cfg: Any, world: int) -> None:
         raise
     except Exception:  # noqa: BLE001  (the run builds it for real, and says what is wrong then)
         return
-    dp = pc.dp or max(1, world // (pc.tp * pc.pp))
-    per_rank = params / (pc.tp * pc.pp * (dp if pc.zero == 3 else 1))
+    layout, pc = check_parallel_config(cfg, world), cfg.parallel
+    per_rank = params / (layout.tp * layout.pp * (layout.dp if pc.zero == 3 else 1))
     states = per_rank * 4 * (2 + _state_tensors(cfg.optim))  # fp32 weight, gradient, each state tensor
     if states < budget * PREFLIGHT_SHARE:
         return
