@@ -39,11 +39,11 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2's hooks import torch's compiler at their first call, in the middle of the first
-    # step, when nothing imported it before (kiln train imports it no more): that left every
-    # later step 0.19-0.36 MB more live tensor memory than when it was imported up front (kiln
-    # bench plan's zero=3 rows: gpt 6.54 against 6.35 MB, bert 3.85 against 3.50; kiln plan's
-    # trace predicts the latter). Imported here, as it was before, at no new cost: FSDP2 runs
-    # import it anyway.
+    # step, when nothing imported it before (kiln train imports it no more): that left the
+    # later steps more live tensor memory than when it was imported up front (kiln bench plan's
+    # gpt zero=3 row: 6.54 MB against 6.35, which kiln plan's trace predicts and the row measures
+    # with the import; why the import's moment matters is not known). Imported here, as it was
+    # before, at no new cost: FSDP2 runs import it anyway.
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("apply_fsdp needs an initialised process group (kiln.parallel.init_distributed)")
     from kiln.models import repeated_blocks
