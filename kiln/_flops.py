@@ -34,15 +34,28 @@ def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
     packet = func._overloadpacket
-    count = flop_registry.get(packet)
-    if count is not None:
-        return int(count(*args, **kwargs, out_val=out))
     aten = torch.ops.aten
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:  # q, k, v: (B, H, T, Dh)
-        return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:  # grad_out, q, k, v, ...
-        return int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
-    return 0
+    # fused attention, forward (q, k, v, ...) and backward (grad_out, q, k, v, ...), all (B, H, T, Dh):
+    # counted here, with grouped-query attention's key/value heads taken as the query's (the kernel
+    # broadcasts them; torch before 2.13 refuses to count such shapes)
+    name = packet.__name__
+    if name in _SDPA:
+        q, k, v = (a.shape for a in args[:3])
+        return int(sdpa_flop_count(q, *_as_query_heads(q, k, v)))
+    if name in _SDPA_BACKWARD:
+        g, q, k, v = (a.shape for a in args[:4])
+        return int(sdpa_backward_flop_count(g, q, *_as_query_heads(q, k, v)))
+    count = flop_registry.get(packet)
+    return int(count(*args, **kwargs, out_val=out)) if count is not None else 0
+
+
+_SDPA = {f"_scaled_dot_product_{kind}" for kind in ("efficient_attention", "flash_attention", "cudnn_attention",
+                                                     "flash_attention_for_cpu")}
+_SDPA_BACKWARD = {f"{n}_backward" for n in _SDPA}
+
+
+def _as_query_heads(q: torch.Size, *kv: torch.Size) -> list[torch.Size]:
+    return [torch.Size((s[0], q[1], *s[2:])) for s in kv]
 
 
 class CountFlops(TorchDispatchMode):

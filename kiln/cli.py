@@ -169,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="output folder (default: bench_results/NAME)")
     bench.add_argument("--family", metavar="F[,F]", help="parallel only: model families to lay out, among gpt, "
                        "bert and llama (a Hugging Face Llama of the GPT's size); default gpt,bert")
-    bench.add_argument("--device", metavar="D", help="optimizer, encoder-layer, hf and ddp: run on D, cpu (default) "
+    bench.add_argument("--device", metavar="D", help="optimizer, encoder-layer, hf, plan and ddp: run on D, cpu (default) "
                        "or cuda (ddp: two GPUs); the JSON records the GPU")
     bench.set_defaults(func=_cmd_bench)
 

@@ -259,6 +259,10 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
         raise RuntimeError("kiln.plan.plan traces each rank with a fake process group: call it outside "
                            "torch.distributed (before init_process_group), e.g. on rank 0 before training")
     device = torch.device(device) if device is not None else plan_device(cfg.train.device)
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        raise ConfigError(f"kiln plan of a run on CUDA traces its step on fake CUDA tensors, which needs a CUDA "
+                          f"build of torch (this is {torch.__version__}): plan it where torch has CUDA (a GPU need "
+                          "not be present), or plan train.device=cpu here")
     # one rank per pipeline stage, in stage order (the pipeline's shapes flow from stage to stage)
     stage_ranks = {}
     for rank in range(world):
@@ -391,7 +395,8 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             with fake, tracker, tracker.patched(), _one_mode():
                 par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
-            with fake, tracker, tracker.patched(), _dry_pipeline(mailbox), norms_as_row_views():
+            dry_pipeline = _dry_pipeline(mailbox) if layout.pp > 1 else contextlib.nullcontext()
+            with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views():
                 scheduler = build_scheduler(cfg.optim, optimizer, 2)
                 run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
                                device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
@@ -549,7 +554,14 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.pipelining import stage as stage_module
-    from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta
+
+    try:
+        from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta
+    except ImportError:  # (torch before 2.13: its stages exchange shapes otherwise)
+        from kiln.errors import ConfigError
+
+        raise ConfigError(f"kiln plan of a pipeline-parallel layout needs torch 2.13 or later (this is "
+                          f"{torch.__version__}): plan it without parallel.pp, or upgrade torch") from None
 
     cls = stage_module.PipelineStage
 

@@ -45,6 +45,26 @@ def test_cpu_attention_is_counted_as_torch_counts_it_on_gpus():
     assert counted.total == sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
 
 
+@pytest.mark.parametrize("kind", ["efficient_attention", "flash_attention", "cudnn_attention"])
+def test_gpu_attention_with_grouped_query_heads_counts_the_query_heads(kind):
+    """A GPU's fused attention with fewer key/value heads than query heads (Llama's GQA): the
+    kernel broadcasts them, so both matrix products run over the query's 4 heads. (torch before
+    2.13 refused to count these shapes: kiln plan of a Hugging Face Llama on CUDA failed.)"""
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    b, h, kv_heads, t, d = 2, 4, 2, 8, 16
+    q = torch.empty(b, h, t, d, device="meta")
+    k = v = torch.empty(b, kv_heads, t, d, device="meta")
+    aten = torch.ops.aten
+    forward = getattr(aten, f"_scaled_dot_product_{kind}").default
+    backward = getattr(aten, f"_scaled_dot_product_{kind}_backward").default
+    assert fl.op_flops(forward, (q, k, v), {}, None) == 2 * (2 * b * h * t * t * d)  # q k^T, then p v
+    # backward: as torch counts it where every tensor has the query's heads (5 products: the scores
+    # recomputed, then the gradients of p, v, q and k)
+    assert fl.op_flops(backward, (q, q, k, v), {}, None) == sdpa_backward_flop_count(*[q.shape] * 4) \
+        == 5 * (2 * b * h * t * t * d)
+
+
 def test_counting_does_not_import_dynamo():
     """FlopCounterMode's hooks import torch._dynamo on first use (1-10 s); kiln's counter does not."""
     code = ("import sys, torch; from kiln._flops import CountFlops\n"

@@ -98,6 +98,16 @@ def test_the_dry_run_catches_a_shape_error_at_64_ranks(capsys):
     assert time.perf_counter() - started < 60
 
 
+@pytest.mark.skipif(__import__("torch").backends.cuda.is_built(), reason="this torch has CUDA: it can plan for it")
+def test_planning_a_cuda_run_without_a_cuda_build_of_torch_says_so(capsys):
+    """Fake CUDA tensors need a CUDA build of torch (not a GPU): on a CPU build the dry run
+    failed deep inside a model ("Torch not compiled with CUDA enabled"); now one line says why."""
+    code = main(["plan", VIT, "train.device=cuda", "train.precision=fp32"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "needs a CUDA build of torch" in err and "train.device=cpu" in err
+
+
 def test_a_plan_over_budget_is_one_line_naming_the_peak_and_the_way_out(capsys):
     code = main(["plan", GPT, "train.precision=fp32", "model.depth=1", "--memory-budget", "1MB"])
     captured = capsys.readouterr()

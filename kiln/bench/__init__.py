@@ -38,7 +38,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 NEEDS: dict[str, tuple[tuple[str, ...], str]] = {"hf": (("transformers", "accelerate"), "bench")}
 # the benchmarks that take --device (their measure(quick, device=...)), and how many devices
 # of that kind each needs
-ON_DEVICE: dict[str, int] = {"optimizer": 1, "encoder-layer": 1, "hf": 1, "ddp": 2}
+ON_DEVICE: dict[str, int] = {"optimizer": 1, "encoder-layer": 1, "hf": 1, "ddp": 2, "plan": 1}
 
 
 def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:

@@ -17,7 +17,16 @@ The models are small (a step takes milliseconds to a second on 2 cores) so the w
 in minutes: kiln's ViT, GPT and BERT, and Hugging Face GPT-2 and Llama (``transformers``,
 random weights, no download).
 
+``--device cuda`` plans each row for CUDA (fake CUDA tensors) and trains it on the GPU
+(``train.device=cuda``); the measured figure is then ``torch.cuda.max_memory_allocated()``
+over the second step, less what was allocated before the row was set up and less the data
+sets' own tensors. cuBLAS's workspaces, which the CUDA caching allocator holds for the life
+of the process once a first matrix product has run, are allocated before any row (one fp32
+and one bf16 product) and reported as a note: they are the process's, not the step's. Only
+the one-process rows run there (the layouts need a GPU per rank).
+
     python -m kiln bench plan          # or run(Path("out"), quick=True)
+    python -m kiln bench plan --device cuda
 """
 
 from __future__ import annotations
@@ -82,8 +91,9 @@ QUICK_GRID: list[dict[str, Any]] = [
 ]
 
 
-def config_of(case: dict[str, Any]) -> Any:
-    """The config of a row of the grid: the family's bundled config, small, with the row's settings."""
+def config_of(case: dict[str, Any], device: str = "cpu") -> Any:
+    """The config of a row of the grid: the family's bundled config, small, with the row's
+    settings, training on ``device``."""
     from pathlib import Path
 
     from kiln.config import load_config
@@ -94,7 +104,7 @@ def config_of(case: dict[str, Any]) -> Any:
     keys = [*small, f"train.precision={case['precision']}", f"train.activation_checkpointing={case['ac']}",
             f"data.batch_size={batch}", "train.accumulate=1", "train.max_steps=2", "train.eval_every=0",
             "train.log_every=1", "train.progress=none", "data.workers=0", "train.checkpoint_every=0",
-            *(f"parallel.{k}={v}" for k, v in case["parallel"].items())]
+            f"train.device={device}", *(f"parallel.{k}={v}" for k, v in case["parallel"].items())]
     if case["parallel"].get("pp", 1) > 1:
         keys.append("model.tie_embeddings=false")
     if case["small"]:
@@ -141,6 +151,73 @@ def _measure_rank(rank: int, world: int, cfg: Any) -> dict[str, int]:
             run.out.close()
 
 
+def _measure_cuda(cfg: Any) -> dict[str, int]:
+    """:func:`_measure_rank` on the GPU: ``torch.cuda.max_memory_allocated()`` over the second
+    step, less what was allocated before the set-up and the data sets' own tensors."""
+    import gc
+
+    import torch
+
+    from kiln.train.parts import live_tensor_bytes, setup, train_step
+
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with tempfile.TemporaryDirectory() as out:
+        run = setup(cfg, run_dir=f"{out}/run")
+        try:
+            run.model.train()
+            train_step(run, next(run.batches))
+            torch.cuda.synchronize()
+            gc.collect()
+            held = live_tensor_bytes(run.par.model, run.optimizer)
+            data = _storage_bytes(_tensors_under([run.data.train, run.data.val, run.batches]), "cuda")
+            start = torch.cuda.memory_allocated() - base - sum(data.values())
+            torch.cuda.reset_peak_memory_stats()
+            train_step(run, next(run.batches))
+            torch.cuda.synchronize()
+            step = torch.cuda.max_memory_allocated() - base - sum(data.values()) - start
+            return {"model_and_optimizer": held + step, "every_tensor": start + step, "live_at_start": start,
+                    "step_rise": step}
+        finally:
+            run.progress.close()
+            run.out.close()
+            del run
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def cublas_workspace_bytes() -> int:
+    """Allocate cuBLAS's workspaces and return the bytes the CUDA caching allocator holds for
+    them from now on: fp32 and bf16 products with and without a bias, forward and backward (the
+    backward runs on autograd's own CUDA thread, whose cuBLAS handle has a workspace of its own)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.ones(64, 64, device="cuda", dtype=dtype, requires_grad=True)
+        b = torch.ones(64, device="cuda", dtype=dtype, requires_grad=True)
+        (F.linear(w, w, b) + w @ w).float().sum().backward()
+        del w, b
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before
+
+
+def _storage_bytes(tensors: Any, device: str) -> dict[int, int]:
+    """Bytes of the distinct storages of ``tensors`` on ``device`` (the local shards of DTensors)."""
+    import torch
+
+    out: dict[int, int] = {}
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        if isinstance(t, torch.Tensor) and t.device.type == device and not t.is_meta and not hasattr(t, "fake_mode"):
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 def _live_bytes(run: Any, before: set[int]) -> int:
     """Bytes of every CPU tensor storage live now but the data sets' and those at the
     addresses ``before`` (what ``TensorMemory``'s baseline leaves out: a pipeline's receive
@@ -149,20 +226,11 @@ def _live_bytes(run: Any, before: set[int]) -> int:
 
     import torch
 
-    def storages(objs: Any) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for t in objs:
-            t = getattr(t, "_local_tensor", t)
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta and not hasattr(t, "fake_mode"):
-                st = t.untyped_storage()
-                out[st.data_ptr()] = st.nbytes()
-        return out
-
     # the data sets, and the loaders' own (a sampler's permutation, in its generator's frame)
-    data = storages(_tensors_under([run.data.train, run.data.val, run.batches]))
+    data = _storage_bytes(_tensors_under([run.data.train, run.data.val, run.batches]), "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (isinstance on some deprecated module objects warns)
-        live = storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        live = _storage_bytes((o for o in gc.get_objects() if isinstance(o, torch.Tensor)), "cpu")
     return sum(n for ptr, n in live.items() if ptr not in data and ptr not in before)
 
 
@@ -195,9 +263,13 @@ def _tensors_under(roots: list[Any], depth: int = 6) -> list[Any]:
     return found
 
 
-def measured_peaks(cfg: Any, world: int) -> list[dict[str, int]]:
+def measured_peaks(cfg: Any, world: int, device: str = "cpu") -> list[dict[str, int]]:
     """The steady step's peak of live tensor bytes on each of ``world`` ranks, run for real:
     ``model_and_optimizer`` (``summary.json``'s baseline) and ``every_tensor``."""
+    if device == "cuda":
+        if world != 1:
+            raise ValueError("kiln bench plan --device cuda measures one-process rows only")
+        return [_measure_cuda(cfg)]
     if world == 1:
         return [_measure_rank(0, 1, cfg)]
     from kiln.parallel.testing import run_distributed
@@ -205,14 +277,15 @@ def measured_peaks(cfg: Any, world: int) -> list[dict[str, int]]:
     return run_distributed(_measure_rank, world, cfg, timeout_s=600)
 
 
-def compare(case: dict[str, Any]) -> dict[str, Any]:
-    """Plan and measure one row of the grid; the row with both peaks and the errors (against
-    every live tensor; ``summary_error``: against summary.json's model-and-optimizer baseline)."""
+def compare(case: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    """Plan and measure one row of the grid on ``device``; the row with both peaks and the
+    errors (against every live tensor; ``summary_error``: against summary.json's
+    model-and-optimizer baseline)."""
     from kiln.plan import plan
 
-    cfg = config_of(case)
-    planned = plan(cfg, case["world"])
-    runs = measured_peaks(cfg, case["world"])
+    cfg = config_of(case, device)
+    planned = plan(cfg, case["world"], device=device)
+    runs = measured_peaks(cfg, case["world"], device)
     measured = [m["every_tensor"] for m in runs]
     errors = [p.peak_bytes / m - 1 for p, m in zip(planned.ranks, measured)]
     worst = max(range(len(errors)), key=lambda i: abs(errors[i]))
@@ -229,8 +302,21 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
                       for i, (p, m) in enumerate(zip(planned.ranks, runs))]}
 
 
-def measure(quick: bool = False) -> Result:
-    rows = [compare(case) for case in (QUICK_GRID if quick else GRID)]
+def measure(quick: bool = False, device: str = "cpu") -> Result:
+    grid = QUICK_GRID if quick else GRID
+    notes = []
+    if device == "cuda":
+        import torch
+
+        skipped = [c["label"] for c in grid if c["world"] > 1]
+        grid = [c for c in grid if c["world"] == 1]
+        workspace = cublas_workspace_bytes()
+        notes = [f"measured on {torch.cuda.get_device_name()}: torch.cuda.max_memory_allocated() over the second "
+                 "step, less what was allocated before the row and the data sets' tensors; cuBLAS's workspaces, "
+                 f"{workspace / 2**20:.1f} MB held by the allocator for the process from its first matrix product, "
+                 "were allocated before the first row and are not counted",
+                 f"not run on one GPU (a GPU per rank): {len(skipped)} layout rows"]
+    rows = [compare(case, device) for case in grid]
     worst = max(rows, key=lambda r: abs(r["worst_error"]))
     cols = [Col("model", "family", group=True), Col("precision", "precision"), Col("AC", "ac"),
             Col("micro", "micro"), Col("ranks", "world"), Col("layout", "layout"),
@@ -245,11 +331,11 @@ def measure(quick: bool = False) -> Result:
         report={"rows": rows, "worst": {"row": worst["label"], "error": worst["worst_error"]}},
         tables=[Table(rows, cols, title="kiln plan's predicted peak of a steady step against the allocator's record "
                                         "(fullest rank; 'worst rank': the largest error over the row's ranks)")],
-        title="kiln plan: predicted vs measured peak tensor memory",
+        title="kiln plan: predicted vs measured peak tensor memory" + (" on the GPU" if device == "cuda" else ""),
         chart=[Bars("peak tensor memory (MB)", rows, "label", {"measured": "measured_mb"},
                     marks={"predicted": "predicted_mb"}, horizontal=True, label="MB")],
         targets={"worst_error": target(abs(worst["worst_error"]), TOLERANCE, row=worst["label"])},
-        notes=["measured: every tensor live as the second step starts (data sets excepted) plus the highest running "
+        notes=[*notes, "measured: every tensor live as the second step starts (data sets excepted) plus the highest running "
                "sum of the profiler's CPU allocations and frees during it; summary MB: the same on top of what the model "
                "and optimizer hold (summary.json's peak_tensor_memory_mb); predicted: kiln plan's trace of the same "
                "set-up and step on fake tensors",
