@@ -9,10 +9,18 @@
 Each worker joins a fresh gloo group on 127.0.0.1 (a free port picked here), runs with one
 intra-op thread (N processes share the cores), and its return value comes back through a
 file; an exception in any worker is raised here with the worker's traceback.
+
+Workers are new interpreters (``spawn``), each importing torch and kiln before it runs ``fn``:
+2-4 s of CPU a worker. ``start_method="forkserver"`` (or ``KILN_START_METHOD=forkserver``, which
+kiln's test suite sets) forks them instead from one server process per caller that has
+imported torch, torch.distributed and kiln's trainer once: each worker is still a fresh process
+(no state from an earlier call), started in a fraction of a second. The benchmarks keep
+``spawn``: a forked worker shares the server's pages, which would change what they measure.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -31,7 +39,12 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple,
-            threads: int, timeout_s: float, backend: str = "gloo") -> None:
+            threads: int, timeout_s: float, backend: str = "gloo", environ: dict[str, str] | None = None,
+            cwd: str | None = None) -> None:
+    if environ is not None:  # the caller's, as a spawned worker has them (a forkserver's are its own)
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd or ".")
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -48,12 +61,23 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
         dist.destroy_process_group()
 
 
+# what a forkserver imports once, before it forks the workers
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.train", "kiln.parallel"]
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
-                    timeout_s: float = 120, backend: str = "gloo") -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes (``backend=
+                    timeout_s: float = 120, backend: str = "gloo", start_method: str | None = None) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` new gloo processes (``backend=
     "nccl"``: NCCL, rank r on GPU r); return the list of their return values (by rank). ``fn``
-    and ``args`` must be picklable."""
+    and ``args`` must be picklable. ``start_method``: ``spawn`` (default) or ``forkserver``
+    (default where ``KILN_START_METHOD`` names it; see the module's docstring)."""
+    method = start_method or os.environ.get("KILN_START_METHOD") or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method {method!r}: use spawn or forkserver")
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # (read when the server first starts)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, timeout_s, backend),
-                 nprocs=world_size, join=True)
+        mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, timeout_s, backend,
+                                          dict(os.environ), os.getcwd()),
+                           nprocs=world_size, join=True, start_method=method)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
