@@ -111,7 +111,8 @@ def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-MATMUL_N = 1024  # the CPU peak's square matmul; 256 where the dtype is emulated (13-50x slower)
+MATMUL_N = 1024  # the CPU peak's square matmul; a quarter where a product that size would be slow
+SIZE_BUDGET_S = 0.25  # the most one MATMUL_N product may take (predicted from a quarter-size one)
 PEAK_CACHE = "peak_flops"
 
 
@@ -133,6 +134,17 @@ def matmul_flops(dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> f
     return 2 * n**3 / best
 
 
+def matmul_size(dtype: torch.dtype) -> int:
+    """The side of the CPU peak's square matmul in ``dtype``: ``MATMUL_N``, or a quarter of it
+    where one product that size would take over ``SIZE_BUDGET_S``, as timed on the quarter. The
+    time decides, not a capability flag: a dtype emulated here (bf16 without AVX-512-BF16:
+    13-50x fp32) measured at 1024 cost 4.6 s a run start, also where ``KILN_BF16=native`` claims
+    otherwise."""
+    small = MATMUL_N // 4
+    seconds = 2 * small**3 / matmul_flops(dtype, small, repeats=1, budget_s=0.0)
+    return MATMUL_N if seconds * (MATMUL_N // small) ** 3 <= SIZE_BUDGET_S else small
+
+
 def cpu_peak(dtype: torch.dtype, *, cache: bool = True) -> float:
     """This CPU's matmul FLOP/s in ``dtype`` with torch's current threads.
 
@@ -141,12 +153,12 @@ def cpu_peak(dtype: torch.dtype, *, cache: bool = True) -> float:
     later call times one more matmul (~30 ms) and keeps the best figure ever seen."""
     threads = torch.get_num_threads()
     key = f"{hardware.cpu_model()}|{hardware.cpu_capability()['capability']}|{threads}|{dtype}|{torch.__version__}"
-    native = dtype in (torch.float32, torch.float64) or hardware.native_low_precision("cpu", dtype)
-    n = MATMUL_N if native else MATMUL_N // 4
     hit = _cache.get(PEAK_CACHE, key) if cache else None
     if hit is None:
+        n = matmul_size(dtype)
         flops = matmul_flops(dtype, n, repeats=5, budget_s=0.5)
     else:
+        n = int(hit.get("n", MATMUL_N))
         flops = max(float(hit["flops"]), matmul_flops(dtype, n, repeats=1, budget_s=0.0))
         if flops == float(hit["flops"]):
             return flops

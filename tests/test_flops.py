@@ -95,10 +95,33 @@ def test_cpu_peak_is_measured_once_and_keeps_the_best(monkeypatch, tmp_path):
         return next(timed)
 
     monkeypatch.setattr(fl, "matmul_flops", fake)
+    monkeypatch.setattr(fl, "matmul_size", lambda dtype: 1024)
     assert fl.cpu_peak(torch.float32) == 40e9
     assert fl.cpu_peak(torch.float32) == 40e9  # one more matmul, slower: the cached figure
     assert fl.cpu_peak(torch.float32) == 50e9
     assert calls == [5, 1, 1]
+
+
+@pytest.mark.parametrize("gflops, size", [(50.0, 1024), (1.0, 256)])
+def test_the_peaks_matmul_is_as_large_as_this_cpu_computes_it_quickly(monkeypatch, gflops, size):
+    """The peak's matmul is 1024 square where one takes at most 0.25 s (at 50 GFLOP/s: 43 ms),
+    256 where it would not (at 1 GFLOP/s, emulated bf16's speed here: 2.1 s), timed, whatever
+    the CPU claims (KILN_BF16=native made a 1024 bf16 product cost 4.6 s a run start here)."""
+    seen = []
+
+    def fake(dtype, n, repeats, budget_s):
+        seen.append(n)
+        return gflops * 1e9
+
+    monkeypatch.setattr(fl, "matmul_flops", fake)
+    assert fl.matmul_size(torch.bfloat16) == size and seen == [256]
+
+
+@pytest.mark.skipif(__import__("kiln.hardware").hardware._cpu_capability()["native_bf16"],
+                    reason="this CPU computes bf16 natively")
+def test_an_emulated_dtype_is_timed_on_the_small_matmul_even_when_claimed_native(monkeypatch, one_thread):
+    monkeypatch.setenv("KILN_BF16", "native")
+    assert fl.matmul_size(torch.float32) == 1024 and fl.matmul_size(torch.bfloat16) == 256
 
 
 def test_cpu_peak_really_measures(tmp_path, monkeypatch, one_thread):
