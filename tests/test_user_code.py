@@ -490,11 +490,23 @@ train = dict(max_steps=1)
 """)
 
 
-def test_kiln_plan_on_a_nested_lazycall(tmp_path):
+def _plan_here(tmp_path: Path, config: Path, capsys, monkeypatch) -> str:
+    """kiln plan in this process, from another directory (what a launcher adds to sys.path is
+    the test above's)."""
+    from kiln.cli import main
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    monkeypatch.chdir(elsewhere)
+    assert main(["plan", str(config)]) == 0
+    return capsys.readouterr().out
+
+
+def test_kiln_plan_on_a_nested_lazycall(tmp_path, capsys, monkeypatch):
     # Linear(3, 2) + Linear(2, 2): 8 + 6 parameters
-    assert ":Toy: 14 parameters" in _plan(tmp_path, "script", _nested_config(tmp_path))
+    assert ":Toy: 14 parameters" in _plan_here(tmp_path, _nested_config(tmp_path), capsys, monkeypatch)
 
 
-def test_kiln_plan_on_a_saved_config_with_file_targets(tmp_path):
+def test_kiln_plan_on_a_saved_config_with_file_targets(tmp_path, capsys, monkeypatch):
     save_config(load_config(_nested_config(tmp_path)), tmp_path / "config.yaml")
-    assert ":Toy: 14 parameters" in _plan(tmp_path, "module", tmp_path / "config.yaml")
+    assert ":Toy: 14 parameters" in _plan_here(tmp_path, tmp_path / "config.yaml", capsys, monkeypatch)
