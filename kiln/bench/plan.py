@@ -21,9 +21,11 @@ random weights, no download).
 (``train.device=cuda``); the measured figure is then ``torch.cuda.max_memory_allocated()``
 over the second step, less what was allocated before the row was set up and less the data
 sets' own tensors. cuBLAS's workspaces, which the CUDA caching allocator holds for the life
-of the process once a first matrix product has run, are allocated before any row (one fp32
-and one bf16 product) and reported as a note: they are the process's, not the step's. Only
-the one-process rows run there (the layouts need a GPU per rank).
+of the process once a first matrix product has run, are allocated before any row (fp32 and
+bf16 products, forward and backward: autograd's CUDA thread has a cuBLAS handle, and a
+workspace, of its own) and reported as a note: they are the process's, not the step's (on an
+H100, 32 MiB a thread; the plan does not count them). Only the one-process rows run there
+(the layouts need a GPU per rank).
 
     python -m kiln bench plan          # or run(Path("out"), quick=True)
     python -m kiln bench plan --device cuda
