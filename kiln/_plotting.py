@@ -2,7 +2,9 @@
 
 Figures are made without ``matplotlib.pyplot``, whose backend machinery takes as long to import
 again as matplotlib itself: a :class:`~matplotlib.figure.Figure` saves itself to a file through
-the Agg canvas, no display needed, and nothing global is left to close.
+the Agg canvas, no display needed, and nothing global is left to close. A log axis labels its
+ticks in plain text (:func:`log_scale`): matplotlib's default writes them as TeX, whose parser
+took 0.6 s of the first picture in a process and 0.2 s of each after it.
 """
 
 from __future__ import annotations
@@ -17,3 +19,13 @@ def subplots(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
 
     fig = Figure(figsize=kwargs.pop("figsize", None))
     return fig, fig.subplots(nrows, ncols, **kwargs)
+
+
+def log_scale(axis: Any) -> None:
+    """A log scale on ``axis`` (``ax.xaxis`` or ``ax.yaxis``), its ticks labelled as plain numbers
+    (0.01, 2.5), the minor ticks too where the axis spans less than a couple of decades."""
+    from matplotlib.ticker import LogFormatter
+
+    getattr(axis.axes, f"set_{axis.axis_name}scale")("log")
+    axis.set_major_formatter(LogFormatter())
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))

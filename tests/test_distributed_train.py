@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kiln.train import load_checkpoint, read_metrics
+from launched import ranks_of
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
@@ -108,18 +109,6 @@ def test_batch_not_divisible_by_the_processes_is_refused_before_training(tmp_pat
     assert "data.batch_size=63" in out.stderr and "parallel.dp=2" in out.stderr
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln", "train", MLP, "--nproc", "2", "train.max_steps=3000",
@@ -132,8 +121,8 @@ def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[subprocess.Pope
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    workers = _children(proc.pid)
-    assert len(workers) == 2, workers
+    workers = ranks_of(proc.pid)
+    assert sorted(workers) == [0, 1], workers
     os.kill(workers[1], signal.SIGKILL)
     return proc, _only_run(tmp_path)
 

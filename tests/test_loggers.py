@@ -83,8 +83,16 @@ def _wandb_records(path: Path):
 def _wandb_run(run_file: Path) -> dict:
     """What one offline W&B run file holds: its id, config, history rows by step, and summary.
     W&B's service writes the file after finish() returns: this waits for its exit record."""
+    from google.protobuf.message import DecodeError
+
+    def records() -> list:
+        try:
+            return list(_wandb_records(run_file))
+        except DecodeError:  # a record the service is still writing
+            return []
+
     deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+    while not any(r.WhichOneof("record_type") == "exit" for r in records()):
         assert time.monotonic() < deadline, f"{run_file} has no exit record after 60 s"
         time.sleep(0.05)
     out = {"id": None, "config": {}, "history": {}, "summary": {}}

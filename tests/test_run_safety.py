@@ -21,6 +21,7 @@ from kiln.config import load_config
 from kiln.errors import ConfigError
 from kiln.train import Checkpoints, load_checkpoint, read_metrics, train
 from kiln.train._run_dir import RunLock
+from launched import ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -197,21 +198,6 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
 # ------------------------------------------------------------------------------ --nproc 2
 
 
-def _children(pid: int) -> dict[int, int]:
-    """rank -> pid of the torchrun workers under launcher ``pid``."""
-    ranks = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
-                continue
-            env = dict(kv.split("=", 1) for kv in (stat.parent / "environ").read_text().split("\0") if "=" in kv)
-        except (OSError, ValueError):
-            continue
-        if "RANK" in env:
-            ranks[int(env["RANK"])] = int(stat.parent.name)
-    return ranks
-
-
 def _start_two(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     proc = _start(tmp_path, MLP, "--nproc", "2", *LONG, "train.log_every=5", "train.checkpoint_every=10",
                   "parallel.timeout_s=60")
@@ -249,7 +235,7 @@ def test_two_processes_sigterm_marks_the_run_interrupted(tmp_path):
 @pytest.mark.distributed
 def test_two_processes_a_killed_rank_0_is_marked_failed_by_the_launcher(tmp_path):
     proc, run = _start_two(tmp_path)
-    workers = _children(proc.pid)
+    workers = ranks_of(proc.pid)
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[0], signal.SIGKILL)  # rank 0 cannot write its summary
     code, err = _ended(proc)

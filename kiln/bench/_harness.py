@@ -168,6 +168,8 @@ class Bars:
     color: Callable[[dict[str, Any]], str] | None = None
 
     def draw(self, ax: Any) -> None:
+        from kiln._plotting import log_scale
+
         at = list(range(len(self.rows)))
         n = 1 if self.stacked else len(self.y)
         width, base = 0.8 / n, [0.0] * len(at)
@@ -192,7 +194,8 @@ class Bars:
         else:
             ax.set_xticks(at, labels, fontsize=8, rotation=30 if max(map(len, labels), default=0) > 8 else 0,
                           ha="right" if max(map(len, labels), default=0) > 8 else "center")
-        (ax.set_xscale if self.horizontal else ax.set_yscale)("log" if self.log else "linear")
+        if self.log:
+            log_scale(ax.xaxis if self.horizontal else ax.yaxis)
         (ax.set_xlabel if self.horizontal else ax.set_ylabel)(self.label, fontsize=8)
         ax.set_title(self.title, fontsize=9)
         if len(self.y) > 1 or self.marks or self.lines:

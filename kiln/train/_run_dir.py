@@ -63,9 +63,10 @@ class RunLock:
     holder's pid and host. Taken without waiting; released by :meth:`release`, or by the kernel
     when the holder dies (kill -9 included), so a stale lock never blocks.
 
-    A lock this process's parent holds is this process's: the launcher of ``kiln train --nproc
+    A lock this process's launcher holds is this process's: the launcher of ``kiln train --nproc
     N`` holds it for the whole run, and torchrun's agent, inside the launcher's process, starts
-    the workers (and restarts them): its rank 0 writes the directory under the launcher's lock."""
+    the workers (and restarts them) through a fork server of its own: its rank 0 writes the
+    directory under the launcher's lock."""
 
     def __init__(self, fd: int | None):
         self._fd = fd
@@ -115,8 +116,21 @@ def held_by(path: Path) -> tuple[str, str] | None:
 
 
 def held_by_parent(path: Path) -> bool:
-    """Whether this process's parent holds ``path``'s lock (its pid and host are in the file)."""
-    return held_by(path) == (str(os.getppid()), socket.gethostname())
+    """Whether this process's launcher holds ``path``'s lock (its pid and host are in the file):
+    the parent, or the parent's parent where the parent is the fork server that kiln's launcher
+    starts its ranks from."""
+    holder = held_by(path)
+    if holder is None or holder[1] != socket.gethostname():
+        return False
+    parent = os.getppid()
+    if holder[0] == str(parent):
+        return True
+    try:  # the launcher's fork server (Linux's /proc): "python -c from multiprocessing.forkserver import main"
+        server = b"multiprocessing.forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
+        grandparent = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1]  # after "pid (name)"
+    except (OSError, IndexError):
+        return False
+    return server and holder[0] == grandparent
 
 
 class RunDir:

@@ -9,7 +9,9 @@ processes, or as one rank of them; and how every ``kiln`` command ends, as an ex
         nproc == 1                             the whole run, in this process
         nproc > 1                              the launcher: the run directory made or opened,
                                                and locked; N processes under torchrun's elastic
-                                               agent; how they ended, recorded and said
+                                               agent, forked from a fork server that imported
+                                               torch and the trainer once; how they ended,
+                                               recorded and said
     exit_status(command)                       stop signals, and the exit status of an error
 
 Exit status: 0, the run completed; 1, it failed (or a disk filled up: one line, naming the last
@@ -92,10 +94,10 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
     if nproc == 1:
         return _train_here(cfg, run_dir, name, worker=False)
     check_model(cfg)  # on the meta device: what the model allows
-    command = ["--resume", str(run_dir), *overrides] if run_dir is not None else [config, *overrides]
+    rank = (None, overrides, str(run_dir)) if run_dir is not None else (config, overrides, None)
     if run_dir is None and os.environ.get(RUN_DIR_ENV):
         run_dir = Path(os.environ[RUN_DIR_ENV])  # the user named the run directory: the launcher opens it
-    return _launch(command, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name)
+    return _launch(rank, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name)
 
 
 def _run_name(config: Path) -> str:
@@ -124,9 +126,10 @@ def _train_here(cfg: Any, run_dir: Path | None, name: str, *, worker: bool) -> i
     return 0 if result.summary.get("status") == "completed" else 1
 
 
-def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | None, output_dir: str,
-            name: str) -> int:
-    """Run ``kiln train COMMAND`` in ``nproc`` local processes under torchrun's elastic agent.
+def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_restarts: int, run_dir: Path | None,
+            output_dir: str, name: str) -> int:
+    """Run ``train_command(*rank)`` (config, overrides, resume) in ``nproc`` local processes
+    under torchrun's elastic agent.
 
     This process, the launcher, creates (or reopens) the run directory and holds its lock
     for the whole run: rank 0 may die and be restarted by the agent without ever meeting its
@@ -136,7 +139,6 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
 
     out = RunDir.open(run_dir) if run_dir is not None else RunDir.create(output_dir, name)  # locked
     run_dir = out.path
@@ -149,8 +151,7 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
         for log in quiet:
             log.setLevel(logging.ERROR)
         with _environ(**{RUN_DIR_ENV: str(run_dir)}):  # named here, so every restart finds it
-            torchrun(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                      "-m", "kiln", "train", *command])
+            _torchrun(nproc, max_restarts, rank)
     except ChildFailedError as exc:
         failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
         mark_stopped(run_dir, "failed", f"training failed ({failures})")
@@ -171,6 +172,61 @@ def _launch(command: list[str], nproc: int, max_restarts: int, run_dir: Path | N
             log.setLevel(level)
         out.close()  # releases the lock
     return 0
+
+
+# What the fork server that starts the ranks imports once, before it forks them: torch, kiln's
+# trainer, torch.distributed.checkpoint (every run writes a checkpoint) and matplotlib's figure
+# (rank 0 draws loss.png). A rank forked from it starts in a fraction of a second; a new
+# interpreter spent ~5 s of CPU importing these, for every rank of every launch and restart.
+WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "matplotlib.figure"]
+
+
+def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], str | None]) -> None:
+    """What ``torchrun --standalone --nproc-per-node NPROC --max-restarts MAX_RESTARTS -m kiln
+    train ...`` does, in this process, each rank forked from a fork server (``WORKER_PRELOAD``)
+    rather than started as a new interpreter; raises what torchrun's agent raises."""
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                       "--start-method", "forkserver", "-m", "kiln", "train"])
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # --standalone
+    config, _, _ = config_from_args(args)
+    multiprocessing.set_forkserver_preload(WORKER_PRELOAD)  # (read when the server first starts)
+    elastic_launch(config=config, entrypoint=_rank)(*rank, dict(os.environ), os.getcwd())
+
+
+# the fork server's environment, recorded as it imports this module (WORKER_PRELOAD): what a
+# rank's environment has besides it, torchrun's agent set for that rank
+_SERVER_ENVIRON = dict(os.environ)
+
+
+def _rank(config: str | None, overrides: list[str], resume: str | None, environ: dict[str, str], cwd: str) -> None:
+    """One rank of ``kiln train``, forked from the launcher's fork server: with the launcher's
+    environment and working directory (the server's may be an earlier launch's), the variables
+    torchrun's agent set for this rank over them; exits as ``kiln train`` would."""
+    agent = {k: v for k, v in os.environ.items() if _SERVER_ENVIRON.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**environ, **agent})
+    os.chdir(cwd)
+    _name_process(f"kiln rank {os.environ.get('RANK', '?')}")
+    status = exit_status(lambda: train_command(config, overrides, resume=resume))
+    if status:
+        sys.exit(status)  # (a return is exit status 0 to the agent)
+
+
+def _name_process(name: str) -> None:
+    """This process's name as ps and top show it (Linux: at most 15 bytes), where it can be set:
+    every rank is otherwise a "python -c from multiprocessing.forkserver import main"."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (AttributeError, OSError):
+        pass
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ def check_runs(paths: list[str]) -> list[Path]:
 
 def plot(runs: list[Path], out: Path) -> Path:
     """Train loss and every eval metric of every run against step, one panel each, in one figure."""
-    from kiln._plotting import subplots
+    from kiln._plotting import log_scale, subplots
     metrics = {run: read_metrics(run) for run in runs}
     evals = _eval_columns([row for rows in metrics.values() for row in rows[:1]])
     panels = [("train_loss", "train loss", True)] + [(k, k.replace("_", " "), k.endswith(("loss", "perplexity")))
@@ -75,7 +75,7 @@ def plot(runs: list[Path], out: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         if log:
-            ax.set_yscale("log")
+            log_scale(ax.yaxis)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
