@@ -29,3 +29,25 @@ def ranks_of(launcher: int) -> dict[int, int]:
         if name.startswith("kiln rank ") and name[len("kiln rank "):].isdigit():
             ranks[int(name[len("kiln rank "):])] = pid
     return ranks
+
+
+def kiln_here(*args: str) -> "subprocess.CompletedProcess[str]":
+    """``kiln ARGS`` run by this process (kiln.cli.main), as ``subprocess.run(["kiln", *args],
+    capture_output=True, text=True)`` would report it: what this process printed (not its ranks,
+    whose output goes where this process's file descriptors go). ``kiln train --nproc N`` here is
+    the launcher itself, without the ~4 s of CPU a new interpreter spends importing torch and
+    kiln; its ranks are forked as ever. For tests of a command's outcome; what a process boundary
+    does (signals, kill -9, exit codes of an interpreter) is tested through real processes."""
+    import contextlib
+    import io
+    import subprocess
+
+    from kiln.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["kiln", *args], code, out.getvalue(), err.getvalue())

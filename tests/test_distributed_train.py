@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kiln.train import load_checkpoint, read_metrics
-from launched import ranks_of
+from launched import kiln_here, ranks_of
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
 
 
-def _kiln(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=timeout)
+def _kiln(*args: str) -> subprocess.CompletedProcess:
+    return kiln_here(*args)  # in this process: a kiln train --nproc N launcher without its own interpreter
 
 
 def _only_run(folder: Path) -> Path:

@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 
 from kiln.cli import main  # noqa: E402
 from kiln.train import load_checkpoint  # noqa: E402
+from launched import kiln_here
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.arange(48).reshape(3, 16) * 37 % 256  # (B, T) token ids for comparing logits
@@ -303,8 +304,7 @@ def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, tw
     assert gap < (5e-4 if "parallel.tp=2" in layout else 1e-5), gap
     if family == "gpt2" and "parallel.zero=3" in layout:  # and resumes in that layout as if never stopped
         for args in (["--resume", str(two)], [str(config), f"train.output_dir={tmp_path / 'straight'}"]):
-            proc = subprocess.run([sys.executable, "-m", "kiln", "train", *args, "--nproc", "2", *layout,
-                                   "train.max_steps=5"], capture_output=True, text=True, timeout=300)
+            proc = kiln_here("train", *args, "--nproc", "2", *layout, "train.max_steps=5")
             assert proc.returncode == 0, proc.stderr[-3000:]
         assert torch.equal(_logits(_reference(two / "hf")), _logits(_reference(_only_run(tmp_path / "straight") / "hf")))
 

@@ -5,10 +5,7 @@ a resumed run continues the same logged run; a logger that fails never stops tra
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -18,6 +15,7 @@ import pytest
 from kiln.cli import main
 from kiln.train import read_metrics
 from kiln.train import _loggers
+from launched import kiln_here
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -288,11 +286,13 @@ def test_the_trainer_imports_no_logger_package_until_one_is_named(fresh_python):
 
 
 @pytest.mark.distributed
-def test_rank_0_logs_alone(tmp_path):
+def test_rank_0_logs_alone(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    subprocess.run([sys.executable, "-m", "kiln", "train", MLP, "--nproc", "2", f"train.output_dir={tmp_path}",
-                    *SHORT, "train.loggers=[csv,tensorboard,wandb]"], check=True, env=env, cwd=ROOT, timeout=300)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    done = kiln_here("train", MLP, "--nproc", "2", f"train.output_dir={tmp_path}", *SHORT,
+                     "train.loggers=[csv,tensorboard,wandb]")
+    assert done.returncode == 0, done.stderr[-2000:]
     (run,) = tmp_path.iterdir()
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
     (only,) = (run / "wandb").glob("offline-run-*/run-*.wandb")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launched import kiln_here
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
@@ -19,8 +19,8 @@ GPT = str(ROOT / "configs" / "gpt_tiny.py")
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
 
 
-def _kiln(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=timeout)
+def _kiln(*args: str) -> subprocess.CompletedProcess:
+    return kiln_here(*args)  # in this process: a kiln train --nproc N launcher without its own interpreter
 
 
 def _summary(folder: Path) -> dict:

@@ -5,8 +5,6 @@ after a resume in another layout. The trainer's checks are in float64, to 1e-12.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from kiln.cli import main
 from kiln.data import StepSampler
 from kiln.train import load_checkpoint
+from launched import kiln_here
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -134,7 +133,7 @@ def test_kill_9_then_resume_across_epoch_ends_with_accumulation_is_bitwise(tmp_p
 
 
 def _kiln(*args: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=300)
+    out = kiln_here(*args)  # in this process: a kiln train --nproc N launcher without its own interpreter
     assert out.returncode == 0, out.stderr[-3000:]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +14,7 @@ import pytest
 
 from kiln.cli import main
 from kiln.config import ConfigError, load_config
+from launched import kiln_here
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -22,8 +22,8 @@ GPT = str(ROOT / "configs" / "gpt_tiny.py")
 SHORT = ["train.precision=fp32", "train.max_steps=4", "train.log_every=2", "train.eval_every=0", "train.progress=none"]
 
 
-def _kiln(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=timeout)
+def _kiln(*args: str) -> subprocess.CompletedProcess:
+    return kiln_here(*args)  # in this process: a kiln train --nproc N launcher without its own interpreter
 
 
 # ----------------------------------------------------------------------------- the cost model
