@@ -1,8 +1,8 @@
 """Several ``kiln train`` runs in one group of gloo processes, started once.
 
-``kiln train --nproc 2`` starts a launcher and two workers, and each of them imports torch and
-kiln's trainer before its first step: 20 s of CPU for a 5-step MLP run on the 2-core test
-machine, nearly all of it start-up. A test that compares several multi-process runs with one
+``kiln train --nproc 2`` starts a launcher and a fork server, each importing torch and kiln's
+trainer, and forks two ranks from the server: ~11 s of CPU for a 2-step MLP run on the 2-core
+test machine, nearly all of it start-up. A test that compares several multi-process runs with one
 process starts the group once here and runs each config in it in turn, as a worker that
 ``kiln train --nproc N`` starts runs its one config (``kiln.train.train`` in a process group it
 did not make up, which it leaves as it found it; ``kiln bench vit`` runs its rows this way).
