@@ -127,10 +127,17 @@ def held_by_parent(path: Path) -> bool:
         return True
     try:  # the launcher's fork server (Linux's /proc): "python -c from multiprocessing.forkserver import main"
         server = b"multiprocessing.forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
-        grandparent = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1]  # after "pid (name)"
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return server and holder[0] == grandparent
+    return server and holder[0] == str(parent_pid(parent))
+
+
+def parent_pid(pid: int) -> int | None:
+    """Process ``pid``'s parent (Linux's /proc), or None where it cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name)"
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class RunDir:

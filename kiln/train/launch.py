@@ -47,6 +47,7 @@ from kiln.train._run_dir import (
     disk_full_in,
     held_by_parent,
     mark_stopped,
+    parent_pid,
     stop_signals,
     stopped_by,
 )
@@ -213,9 +214,31 @@ def _rank(config: str | None, overrides: list[str], resume: str | None, environ:
     os.environ.update({**environ, **agent})
     os.chdir(cwd)
     _name_process(f"kiln rank {os.environ.get('RANK', '?')}")
+    _stop_with_the_launcher()
     status = exit_status(lambda: train_command(config, overrides, resume=resume))
     if status:
         sys.exit(status)  # (a return is exit status 0 to the agent)
+
+
+def _stop_with_the_launcher(every_s: float = 1.0) -> None:
+    """A rank whose launcher died (kill -9: no agent is left to stop it, and the run directory's
+    lock went with the launcher) stops as on SIGTERM: rank 0 marks the run interrupted and the
+    checkpoints stay, for ``kiln train --resume``. The fork server outlives the launcher while
+    ranks live (they hold its pipe), so a thread watches the server's parent change."""
+    import threading
+    import time
+
+    server = os.getppid()
+    launcher = parent_pid(server)
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        while parent_pid(server) == launcher:
+            time.sleep(every_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="kiln-launcher-watch", daemon=True).start()
 
 
 def _name_process(name: str) -> None:
