@@ -50,6 +50,16 @@ _OVERRIDES = {"native": True, "emulated": False}
 def bf16_override() -> bool | None:
     """What ``KILN_BF16`` says about the CPU's bf16 (True: native, False: emulated), or None
     where it is unset."""
+    return _read_bf16_override()
+
+
+def check_bf16_override() -> None:
+    """Raise ``ConfigError`` where ``KILN_BF16`` holds a value kiln does not understand (without
+    asking what it says: a config's check needs the form, not the answer)."""
+    _read_bf16_override()
+
+
+def _read_bf16_override() -> bool | None:
     value = os.environ.get(BF16_OVERRIDE, "").strip().lower()
     if not value:
         return None

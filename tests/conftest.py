@@ -186,3 +186,89 @@ def two_gpus() -> int:
     """A test that needs two GPUs (NCCL data parallel, ZeRO, FSDP2)."""
     need_cuda(2)
     return 2
+
+
+# --------------------------------------------------------- CI's second pass: who asks about bf16
+# CI runs the fast tier a second time with KILN_BF16 set the other way (.ci/run), for the tests
+# whose outcome depends on whether this CPU computes bf16 natively. Only a test that asks kiln
+# (kiln.hardware.bf16_override: under every cpu_capability(), train.precision=auto, the run's
+# machine line) can end otherwise, as KILN_BF16 changes nothing but kiln's answer. Each pass
+# records who asked into .pytest_cache/kiln-bf16/: the test, or its whole module where the
+# question came while the module was collected or a fixture set up (other tests share both), or
+# where the test started a process (which may ask where this process cannot see). With
+# --bf16-askers only those run: ~130 s of CI's 2-core machine was the whole tier again.
+import kiln.hardware as _hardware  # noqa: E402
+
+_ASKED: set[str] = set()
+_COLLECTING: list[str] = []
+
+
+def _asked() -> None:
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    if current.endswith(" (call)"):
+        _ASKED.add(current[: -len(" (call)")])
+    elif current:
+        _ASKED.add(current.split("::", 1)[0])
+    elif _COLLECTING:
+        _ASKED.add(_COLLECTING[-1])
+
+
+def _recording(function):
+    def recorded(*args, **kwargs):
+        _asked()
+        return function(*args, **kwargs)
+
+    return recorded
+
+
+_hardware.bf16_override = _recording(_hardware.bf16_override)
+subprocess.Popen.__init__ = _recording(subprocess.Popen.__init__)
+import multiprocessing.process  # noqa: E402
+
+multiprocessing.process.BaseProcess.start = _recording(multiprocessing.process.BaseProcess.start)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pycollect_makemodule(module_path, parent):
+    _COLLECTING.append(str(module_path.relative_to(parent.config.rootpath)))
+    try:
+        yield
+    finally:
+        _COLLECTING.pop()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bf16-askers", action="store_true",
+                     help="run only the tests that asked kiln about the CPU's bf16 in the last run (CI's second pass)")
+
+
+def _askers_dir(config) -> Path:
+    return config.rootpath / ".pytest_cache" / "kiln-bf16"
+
+
+class _Bf16Askers:
+    """--bf16-askers: keeps the tests the last run recorded (after -m has selected the tier)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        files = list(_askers_dir(config).glob("*.txt"))
+        if not files:
+            raise pytest.UsageError("--bf16-askers: no record of a run to take them from; run the tests once first")
+        asked = {line for f in files for line in f.read_text().splitlines()}
+        keep = [i for i in items if i.nodeid in asked or i.nodeid.split("::", 1)[0] in asked]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+
+
+def pytest_configure(config):
+    if config.getoption("--bf16-askers"):
+        config.pluginmanager.register(_Bf16Askers(), "kiln-bf16-askers")
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--bf16-askers") or not hasattr(session, "items"):
+        return
+    folder = _askers_dir(session.config)
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    (folder / f"{worker}.txt").write_text("".join(f"{name}\n" for name in sorted(_ASKED)))

@@ -548,9 +548,9 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"train.loggers includes {logger}, but the {logger} package is not installed; "
                               f"pip install 'kiln[{logger}]' or remove it from train.loggers")
     if train["precision"] == "auto":
-        from kiln.hardware import bf16_override
+        from kiln.hardware import check_bf16_override
 
-        bf16_override()  # KILN_BF16 set to something it does not know: said now, not in every worker
+        check_bf16_override()  # KILN_BF16 set to something it does not know: said now, not in every worker
     if cfg["optim"]["impl"] != "kiln" and (train["precision"] == "bf16-true" or cfg["parallel"]["zero"] in (1, 2)):
         what = "train.precision=bf16-true" if train["precision"] == "bf16-true" else f"parallel.zero={cfg['parallel']['zero']}"
         raise ConfigError(f"{what} works on kiln's arena, which optim.impl={cfg['optim']['impl']} (torch.optim's "
