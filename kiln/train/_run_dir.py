@@ -311,6 +311,15 @@ def stop_signals() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _received.clear()
+
+
+def raise_if_stopped() -> None:
+    """Raise again the stop of a signal that arrived while Python ran a finalizer or a callback,
+    which drops the exception a handler raises ("Exception ignored in ..."): the run would go on
+    as if never stopped (a Ctrl-C right after the run directory was made, 1 run in ~60 here)."""
+    if _received:
+        on_stop_signal(_received.pop(), None)
 
 
 def stopped_by(exc: BaseException | None) -> int | None:

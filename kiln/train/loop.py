@@ -40,7 +40,7 @@ from kiln.train._build import build_model
 from kiln.train._checkpoint import Checkpoints, plain, save_checkpoint
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
-from kiln.train._run_dir import CHECKPOINTS, stopped_by
+from kiln.train._run_dir import CHECKPOINTS, raise_if_stopped, stopped_by
 from kiln.train._setup import Run, peak_memory_mb, setup
 from kiln.train._tasks import evaluate, loss_parts, micro_batch_loss, to_device
 
@@ -78,6 +78,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 batch = next(run.batches)
                 with run.mfu.count(batch.samples):  # the first step's FLOPs
                     loss, grad_norm = train_step(run, batch)
+            raise_if_stopped()
             if step == run.start_step + 1 and (tc.compile or step < run.total_steps):
                 # A process's first step is warm-up, reported apart (speed and the ETA start after
                 # it): the compile, oneDNN's bf16 kernels built for each new shape on a CPU, first
