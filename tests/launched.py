@@ -5,19 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _parent(stat: Path) -> int:
-    return int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, parent
-
-
 def ranks_of(launcher: int) -> dict[int, int]:
     """rank -> pid of the ranks under launcher process ``launcher``: its fork server's children,
     each named "kiln rank N" (/proc/PID/comm)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            children.setdefault(_parent(stat), []).append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
+    from kiln.train._run_dir import parent_pid
+
+    children: dict[int | None, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        children.setdefault(parent_pid(int(proc.name)), []).append(int(proc.name))
     ranks, todo = {}, list(children.get(launcher, []))
     while todo:
         pid = todo.pop()
