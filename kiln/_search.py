@@ -29,7 +29,7 @@ the most accumulation, full checkpointing) is planned: if none of them fits, no 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from kiln.errors import ConfigError

@@ -114,18 +114,20 @@ def one_thread():
 
 @pytest.fixture
 def kill_9_at():
-    """``kill_9_at(args, out, checkpoint) -> run directory``: start ``python -m kiln train *args``
-    (``args``: the config, then overrides) writing under ``out`` and SIGKILL it the moment
+    """``kill_9_at(args, out, checkpoint) -> run directory``: start ``kiln train *args`` as a
+    process of its own (tests/launched.py ``KilnProcess``; ``args``: the config, then overrides)
+    writing under ``out`` and SIGKILL it the moment
     ``checkpoints/<checkpoint>`` is complete (it appears by a rename), as a crashed machine
     would; the run must not end before that. It trains in fp32 unless ``args`` names a
     ``train.precision``: compare it with an uninterrupted run pinned the same way."""
+
+    from launched import KilnProcess
 
     def run(args: list[str], out: Path, checkpoint: str, timeout: float = 120) -> Path:
         config, *overrides = map(str, args)
         # fp32 before the caller's overrides, so that one of theirs wins: train.precision=auto
         # would be bf16-mixed on a CPU with native bf16
-        proc = subprocess.Popen([sys.executable, "-m", "kiln", "train", config, "train.precision=fp32", *overrides,
-                                 f"train.output_dir={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = KilnProcess(["train", config, "train.precision=fp32", *overrides, f"train.output_dir={out}"])
         deadline = time.monotonic() + timeout
         while not list(Path(out).glob(f"*/checkpoints/{checkpoint}")):
             assert proc.poll() is None, "the run ended before it could be killed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 
 def ranks_of(launcher: int) -> dict[int, int]:
@@ -46,3 +47,79 @@ def kiln_here(*args: str) -> "subprocess.CompletedProcess[str]":
         except SystemExit as exc:  # argparse's usage errors
             code = exc.code if isinstance(exc.code, int) else 1
     return subprocess.CompletedProcess(["kiln", *args], code, out.getvalue(), err.getvalue())
+
+
+class KilnProcess:
+    """``python -m kiln ARGS`` as a process of its own, the way ``subprocess.Popen`` reports one
+    (``pid``, ``poll()``, ``wait()``, ``communicate()`` giving ``(None, stderr)``, ``returncode``,
+    negative for a signal; stdout goes to /dev/null), for tests of what crosses a process
+    boundary: signals, kill -9, exit statuses, the run directory's lock between processes.
+
+    It is forked from this test process's fork server (multiprocessing's, which kiln's launcher
+    and ``run_distributed`` use too), which imported torch and kiln once: a new interpreter
+    spends ~5 s of CPU importing them before ``kiln train`` starts. The child gets ``env`` (this
+    process's environment by default) and ``cwd``, and the signal handlers a new interpreter
+    has. ``before(*before_args)``, a module-level function, runs in the child first (to patch
+    what the test needs slow). Tests of what a *fresh* interpreter does (imports, the first bf16
+    question) start ``python`` itself."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                 before: Callable[..., Any] | None = None, before_args: tuple = ()) -> None:
+        import multiprocessing
+        import os
+        import tempfile
+
+        fd, self._stderr = tempfile.mkstemp(prefix="kiln-stderr-")
+        os.close(fd)
+        self.args = ["kiln", *args]
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_kiln_main, args=(list(args), dict(os.environ if env is None else env),
+                                     str(cwd or os.getcwd()), self._stderr, before, before_args))
+        self._process.start()
+        self.pid: int = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._process.exitcode is not None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        import os
+
+        self.wait(timeout)
+        text = Path(self._stderr).read_text()
+        os.unlink(self._stderr)
+        return None, text
+
+
+def _kiln_main(args: list[str], environ: dict[str, str], cwd: str, stderr: str, before: Callable[..., Any] | None,
+               before_args: tuple) -> None:
+    """A :class:`KilnProcess`: ``kiln ARGS`` with ``environ`` in ``cwd``, stderr to the file
+    ``stderr``, after ``before(*before_args)``, exiting with kiln's exit status."""
+    import os
+    import sys
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    err = os.open(stderr, os.O_WRONLY | os.O_TRUNC)
+    out = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(err, 2)
+    os.dup2(out, 1)
+    os.close(err)
+    os.close(out)
+    sys.argv = [sys.executable, "-m", "kiln", *args]
+    if before is not None:
+        before(*before_args)
+    from kiln.cli import main
+
+    sys.exit(main(args))

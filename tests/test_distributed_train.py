@@ -9,15 +9,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.train import load_checkpoint, read_metrics
-from launched import kiln_here, ranks_of
+from launched import KilnProcess, kiln_here, ranks_of
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
@@ -109,13 +107,10 @@ def test_batch_not_divisible_by_the_processes_is_refused_before_training(tmp_pat
     assert "data.batch_size=63" in out.stderr and "parallel.dp=2" in out.stderr
 
 
-def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln", "train", MLP, "--nproc", "2", "train.max_steps=3000",
-         "train.checkpoint_every=20", "train.log_every=20", "train.eval_every=0", "parallel.timeout_s=60",
-         f"train.output_dir={tmp_path}", *extra],  # the later of two overrides wins
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[KilnProcess, Path]:
+    proc = KilnProcess(["train", MLP, "--nproc", "2", "train.max_steps=3000", "train.checkpoint_every=20",
+                        "train.log_every=20", "train.eval_every=0", "parallel.timeout_s=60",
+                        f"train.output_dir={tmp_path}", *extra])  # the later of two overrides wins
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("*/checkpoints/step-00000040")):
         assert proc.poll() is None, proc.communicate()[1][-2000:]

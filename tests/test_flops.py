@@ -96,8 +96,13 @@ def test_cpu_peak_is_measured_once_and_keeps_the_best(monkeypatch, tmp_path):
 
     monkeypatch.setattr(fl, "matmul_flops", fake)
     monkeypatch.setattr(fl, "matmul_size", lambda dtype: 1024)
+    monkeypatch.setattr(fl, "_RETIMED", set())  # (a process that has timed nothing yet)
     assert fl.cpu_peak(torch.float32) == 40e9
+    assert fl.cpu_peak(torch.float32) == 40e9 and calls == [5]  # this process measured it: no matmul
+    fl._RETIMED.clear()  # the next process
     assert fl.cpu_peak(torch.float32) == 40e9  # one more matmul, slower: the cached figure
+    assert fl.cpu_peak(torch.float32) == 40e9 and calls == [5, 1]
+    fl._RETIMED.clear()
     assert fl.cpu_peak(torch.float32) == 50e9
     assert calls == [5, 1, 1]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.models
-from kiln.models import ParallelPlan, PipelinePlan, TensorParallelPlan, create_model, list_models
+from kiln.models import ParallelPlan, PipelinePlan, TensorParallelPlan, create_model
 from kiln.models import _registry
 from kiln.models._plan import check_tp_divides
 from kiln.parallel.testing import run_distributed

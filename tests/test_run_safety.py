@@ -9,8 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from kiln.config import load_config
 from kiln.errors import ConfigError
 from kiln.train import Checkpoints, load_checkpoint, read_metrics, train
 from kiln.train._run_dir import RunLock
-from launched import ranks_of
+from launched import KilnProcess, ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -33,13 +31,12 @@ def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def _start(out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kiln", "train", *args, f"train.output_dir={out}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
+def _start(out: Path, *args: str, env: dict | None = None) -> KilnProcess:
+    """``kiln train ARGS`` writing under ``out``, a process of its own (see KilnProcess)."""
+    return KilnProcess(["train", *args, f"train.output_dir={out}"], env={**os.environ, **(env or {})}, cwd=str(ROOT))
 
 
-def _wait_for(proc: subprocess.Popen, pattern: str, root: Path, timeout: float = 120) -> Path:
+def _wait_for(proc: KilnProcess, pattern: str, root: Path, timeout: float = 120) -> Path:
     """The first path under ``root`` matching ``pattern``, once it appears while ``proc`` runs."""
     deadline = time.monotonic() + timeout
     while True:
@@ -51,7 +48,7 @@ def _wait_for(proc: subprocess.Popen, pattern: str, root: Path, timeout: float =
         time.sleep(0.005)
 
 
-def _ended(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, list[str]]:
+def _ended(proc: KilnProcess, timeout: float = 120) -> tuple[int, list[str]]:
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, [line for line in err.splitlines() if line.strip()]
 
@@ -88,7 +85,7 @@ def test_resuming_a_finished_run_is_refused_before_anything_is_rewritten(tmp_pat
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
-@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train processes, signalled: the full suite's
 def test_kill_9_before_the_first_metrics_row_resumes(tmp_path):
     # checkpoint_every < log_every: checkpoints on disk, and not one metrics row yet
     proc = _start(tmp_path, MLP, *LONG, "train.checkpoint_every=2", "train.log_every=100000")
@@ -106,7 +103,7 @@ def test_kill_9_before_the_first_metrics_row_resumes(tmp_path):
     assert len(read_metrics(run)) == 1
 
 
-@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train processes, signalled: the full suite's
 def test_a_second_writer_is_refused_and_a_killed_writer_does_not_block(tmp_path):
     proc = _start(tmp_path, MLP, *LONG, "train.log_every=1", "train.checkpoint_every=5",
                   "train.keep_checkpoints=1000")
@@ -127,7 +124,7 @@ def test_a_second_writer_is_refused_and_a_killed_writer_does_not_block(tmp_path)
     RunLock.acquire(run).release()  # the kernel dropped the killed writer's lock: nothing stale blocks
 
 
-@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train processes, signalled: the full suite's
 def test_ctrl_c_right_after_the_run_directory_is_made_marks_it_interrupted(tmp_path):
     proc = _start(tmp_path, MLP, *LONG)
     run = _wait_for(proc, "*/summary.json", tmp_path).parent  # the first file in a new run directory
@@ -138,32 +135,30 @@ def test_ctrl_c_right_after_the_run_directory_is_made_marks_it_interrupted(tmp_p
     assert summary["status"] == "interrupted" and "KeyboardInterrupt" in summary["error"]
 
 
-_SLOW_SECOND_SAVE = """
-import pathlib, sys, time
-from torch.distributed.checkpoint import filesystem
+def _slow_second_save(marker: str) -> None:
+    """In a KilnProcess: DCP's second write of a run touches ``marker`` and then takes a minute,
+    time for the test to signal inside a save."""
+    import time
 
-real, calls, marker = filesystem._FileSystemWriter.write_data, [], pathlib.Path(sys.argv.pop(1))
+    from torch.distributed.checkpoint import filesystem
 
-def write_data(self, plan, planner):
-    calls.append(1)
-    if len(calls) == 2:  # inside the second save: tell the test, and give it time to signal
-        marker.touch()
-        time.sleep(60)
-    return real(self, plan, planner)
+    real, calls = filesystem._FileSystemWriter.write_data, []
 
-filesystem._FileSystemWriter.write_data = write_data
-from kiln.cli import main
-sys.exit(main())
-"""
+    def write_data(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 2:  # inside the second save: tell the test, and give it time to signal
+            Path(marker).touch()
+            time.sleep(60)
+        return real(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = write_data
 
 
-@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train processes, signalled: the full suite's
 def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt_not_a_failure(tmp_path):
     marker, out = tmp_path / "saving", tmp_path / "runs"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_SECOND_SAVE, str(marker), "train", MLP, *LONG, "train.checkpoint_every=2",
-         "train.log_every=1", f"train.output_dir={out}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = KilnProcess(["train", MLP, *LONG, "train.checkpoint_every=2", "train.log_every=1", f"train.output_dir={out}"],
+                       cwd=str(ROOT), before=_slow_second_save, before_args=(str(marker),))
     _wait_for(proc, "saving", tmp_path)
     os.kill(proc.pid, signal.SIGINT)  # DCP wraps the KeyboardInterrupt in a CheckpointException
     code, err = _ended(proc)
@@ -178,7 +173,7 @@ def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt_not_a_failure(tmp_path)
     _resume_to(run, 6)
 
 
-@pytest.mark.e2e  # kiln train subprocesses, signalled: the full suite's (7-13 s each)
+@pytest.mark.e2e  # kiln train processes, signalled: the full suite's
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     proc = _start(tmp_path, MLP, *LONG, "train.log_every=1", "train.checkpoint_every=5")
     _wait_for(proc, "*/checkpoints/step-00000005", tmp_path)
@@ -198,7 +193,7 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
 # ------------------------------------------------------------------------------ --nproc 2
 
 
-def _start_two(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def _start_two(tmp_path: Path) -> tuple[KilnProcess, Path]:
     proc = _start(tmp_path, MLP, "--nproc", "2", *LONG, "train.log_every=5", "train.checkpoint_every=10",
                   "parallel.timeout_s=60")
     (run,) = [p.parents[1] for p in [_wait_for(proc, "*/checkpoints/step-00000010", tmp_path)]]

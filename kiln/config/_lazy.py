@@ -192,6 +192,11 @@ def _getattr_or_raise(module: Any, qualname: str, where: str) -> Any:
     return obj
 
 
+# the module imported from each file (by real path): a config names its file's functions several
+# times a run, and a scan of sys.modules (thousands) took ~10 ms each time
+_FILE_MODULES: dict[str, Any] = {}
+
+
 def _import_file(file: str) -> Any:
     """The module of ``file``: the one already imported from it, else imported now under its
     natural name where that is free (so the file's own neighbours, which import it by that
@@ -200,6 +205,9 @@ def _import_file(file: str) -> Any:
     if not os.path.isfile(path):
         raise ImportError(f"the file {path} does not exist (moved or deleted?); restore it, or point the "
                           "target at where the code is now")
+    known = _FILE_MODULES.get(path)
+    if known is not None and sys.modules.get(known.__name__) is known:
+        return known
     for module in list(sys.modules.values()):
         try:
             found = module.__file__
@@ -208,6 +216,7 @@ def _import_file(file: str) -> Any:
         # the basename first: realpath costs system calls, and sys.modules holds thousands
         if isinstance(found, str) and os.path.basename(found) == os.path.basename(path) \
                 and os.path.realpath(found) == path:
+            _FILE_MODULES[path] = module
             return module
     directory, root, dotted = _natural_name(path)
     add_user_dir(directory)
@@ -225,9 +234,11 @@ def _import_file(file: str) -> Any:
                     os.path.join(root, top + ".py"), os.path.join(root, top, "__init__.py")):
                 module = importlib.import_module(dotted)  # the package's own, or the file itself
                 if os.path.realpath(getattr(module, "__file__", None) or "") == path:
+                    _FILE_MODULES[path] = module
                     return module
         name = file_module_name(path)
-        return _exec_new(name, importlib.util.spec_from_file_location(name, path))
+        module = _FILE_MODULES[path] = _exec_new(name, importlib.util.spec_from_file_location(name, path))
+        return module
     except ImportError:
         raise
     except Exception as exc:  # the file raised while running: name it

@@ -61,8 +61,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
         dist.destroy_process_group()
 
 
-# what a forkserver imports once, before it forks the workers
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.train", "kiln.parallel"]
+# what a forkserver imports once, before it forks the workers: kiln's launcher's fork server's
+# (kiln.train.launch.WORKER_PRELOAD) and more, so that a process using both has one server for both
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.train.launch", "kiln.parallel", "kiln.parallel._checkpoint",
+                      "matplotlib.figure"]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
