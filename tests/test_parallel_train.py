@@ -161,7 +161,7 @@ def _plan_mb(text: str, line: str) -> list[float]:
 def test_plan_shows_the_fullest_ranks_memory_in_a_layout(capsys):
     from kiln.cli import main
 
-    big = ["model.dim=256", "model.depth=8"]  # 6.5 M parameters: MB figures with 3 significant digits
+    big = ["model.dim=256", "model.depth=4"]  # 3.3 M parameters: MB figures with 3 significant digits
     assert main(["plan", GPT, *big]) == 0
     whole = _plan_mb(capsys.readouterr().out, "memory")  # params, grads, state, total
     assert main(["plan", GPT, *big, "--nproc", "4", "parallel.zero=2"]) == 0

@@ -148,16 +148,17 @@ def test_parallel_auto_records_its_choice_and_reruns_bitwise(tmp_path):
 
 @pytest.mark.distributed
 def test_parallel_auto_over_two_processes_reruns_bitwise(tmp_path):
-    # parallel.pp=1 pins the pipeline off (a key given is not searched): a pipeline's dry run is
-    # the search's slowest (~10 s of 20 here), and the kiln tune test below plans and runs one
-    first = _kiln("train", GPT, "--nproc", "2", "parallel.auto=true", "train.memory_budget=20MB", "parallel.pp=1",
+    # A budget the plain layouts fit (23-27 MB) and the pipeline pinned off (a key given is not
+    # searched): two dry runs, 7 s here, where 20 MB and pipelines took 26; the kiln tune test
+    # below searches under a budget that needs checkpointing, pipelines included
+    first = _kiln("train", GPT, "--nproc", "2", "parallel.auto=true", "train.memory_budget=30MB", "parallel.pp=1",
                   f"train.output_dir={tmp_path / 'a'}", *SHORT)
     assert first.returncode == 0, first.stderr
     (run,) = (tmp_path / "a").iterdir()
     saved = load_config(run / "config.yaml")
     assert saved.parallel.auto is False and saved.parallel.dp * saved.parallel.tp == 2 and saved.parallel.pp == 1
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["peak_tensor_memory_mb"] * 2**20 <= 20 * 2**20  # the choice fits when run
+    assert summary["peak_tensor_memory_mb"] * 2**20 <= 30 * 2**20  # the choice fits when run
     again = _kiln("train", str(run / "config.yaml"), "--nproc", "2", f"train.output_dir={tmp_path / 'b'}")
     assert again.returncode == 0, again.stderr
     (rerun,) = (tmp_path / "b").iterdir()
