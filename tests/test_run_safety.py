@@ -239,3 +239,33 @@ def test_two_processes_a_killed_rank_0_is_marked_failed_by_the_launcher(tmp_path
     assert summary["status"] == "failed" and re.search(r"rank 0: (Signal 9|killed by signal 9)", summary["error"])
     _resume_to(run, _newest_step(run) + 2)  # its lock went with the launcher
 
+
+
+@pytest.mark.distributed
+def test_two_processes_a_killed_launcher_stops_its_ranks_and_the_run_resumes(tmp_path):
+    """kill -9 of the launcher leaves no agent to stop the ranks, and takes the run directory's
+    lock with it: the ranks stop as on SIGTERM within seconds (each watches its fork server's
+    parent), the run is left marked ended, not running, and it resumes from its checkpoints. Rank
+    0 marks it interrupted where its SIGTERM came first, failed where rank 1 stopped first and
+    rank 0's collective broke on the closed connection."""
+    proc, run = _start_two(tmp_path)
+    ranks = ranks_of(proc.pid)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_comm(pid).startswith("kiln rank") for pid in ranks.values()):
+        assert time.monotonic() < deadline, "the ranks outlived their launcher by 30 s"
+        time.sleep(0.1)
+    summary = _summary(run)
+    assert summary["status"] in ("interrupted", "failed"), summary
+    if summary["status"] == "interrupted":
+        assert "SIGTERM" in summary["error"], summary
+    _resume_to(run, _newest_step(run) + 2)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:  # (gone)
+        return ""
