@@ -242,6 +242,8 @@ def pytest_pycollect_makemodule(module_path, parent):
 def pytest_addoption(parser):
     parser.addoption("--bf16-askers", action="store_true",
                      help="run only the tests that asked kiln about the CPU's bf16 in the last run (CI's second pass)")
+    parser.addoption("--cpu-times", metavar="FILE",
+                     help="append each test's CPU seconds, its processes' included, to FILE (tests/cpu_times.py)")
 
 
 def _askers_dir(config) -> Path:
@@ -265,6 +267,10 @@ class _Bf16Askers:
 def pytest_configure(config):
     if config.getoption("--bf16-askers"):
         config.pluginmanager.register(_Bf16Askers(), "kiln-bf16-askers")
+    if config.getoption("--cpu-times"):
+        from cpu_times import CpuTimes
+
+        config.pluginmanager.register(CpuTimes(config.getoption("--cpu-times")), "kiln-cpu-times")
 
 
 def pytest_sessionfinish(session):
