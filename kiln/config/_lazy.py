@@ -206,8 +206,13 @@ def _import_file(file: str) -> Any:
         raise ImportError(f"the file {path} does not exist (moved or deleted?); restore it, or point the "
                           "target at where the code is now")
     known = _FILE_MODULES.get(path)
-    if known is not None and sys.modules.get(known.__name__) is known:
-        return known
+    if known is None or sys.modules.get(known.__name__) is not known:
+        known = _FILE_MODULES[path] = _find_or_import(path)
+    return known
+
+
+def _find_or_import(path: str) -> Any:
+    """:func:`_import_file`'s work for the real path ``path``, without its memo."""
     for module in list(sys.modules.values()):
         try:
             found = module.__file__
@@ -216,7 +221,6 @@ def _import_file(file: str) -> Any:
         # the basename first: realpath costs system calls, and sys.modules holds thousands
         if isinstance(found, str) and os.path.basename(found) == os.path.basename(path) \
                 and os.path.realpath(found) == path:
-            _FILE_MODULES[path] = module
             return module
     directory, root, dotted = _natural_name(path)
     add_user_dir(directory)
@@ -234,11 +238,9 @@ def _import_file(file: str) -> Any:
                     os.path.join(root, top + ".py"), os.path.join(root, top, "__init__.py")):
                 module = importlib.import_module(dotted)  # the package's own, or the file itself
                 if os.path.realpath(getattr(module, "__file__", None) or "") == path:
-                    _FILE_MODULES[path] = module
                     return module
         name = file_module_name(path)
-        module = _FILE_MODULES[path] = _exec_new(name, importlib.util.spec_from_file_location(name, path))
-        return module
+        return _exec_new(name, importlib.util.spec_from_file_location(name, path))
     except ImportError:
         raise
     except Exception as exc:  # the file raised while running: name it
