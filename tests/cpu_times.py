@@ -24,18 +24,19 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _live_children() -> float:
+    from kiln.train._run_dir import parent_pid
+
     me, total = os.getpid(), 0.0
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or parent_pid(int(entry)) != me:
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
-        except OSError:
+        except OSError:  # (ended meanwhile: RUSAGE_CHILDREN has it once it is waited for)
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
-        if int(fields[1]) == me:
-            total += sum(int(x) for x in fields[11:15]) / _TICK  # utime, stime, cutime, cstime
+        total += sum(int(x) for x in fields[11:15]) / _TICK  # utime, stime, cutime, cstime
     return total
 
 

@@ -78,6 +78,7 @@ class KilnProcess:
         self._process.start()
         self.pid: int = self._process.pid
         self.returncode: int | None = None
+        self._err: str | None = None  # what it wrote to stderr, once it ended
 
     def poll(self) -> int | None:
         if self.returncode is None and self._process.exitcode is not None:
@@ -85,20 +86,21 @@ class KilnProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        """The exit status, once the process ended (its stderr file read and removed then)."""
+        import os
         import subprocess
 
         self._process.join(timeout)
         if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
+        if self._err is None:
+            self._err = Path(self._stderr).read_text()
+            os.unlink(self._stderr)
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[None, str]:
-        import os
-
         self.wait(timeout)
-        text = Path(self._stderr).read_text()
-        os.unlink(self._stderr)
-        return None, text
+        return None, self._err
 
 
 def _kiln_main(args: list[str], environ: dict[str, str], cwd: str, stderr: str, before: Callable[..., Any] | None,
