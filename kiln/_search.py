@@ -227,7 +227,7 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
         c.plan = result
         c.predicted_s = predict_seconds(result, speeds, precision=c["train.precision"],
                                         compiled=bool(c["train.compile"]), microbatches=micro(c))
-        c.status = "fits" if result.peak_bytes <= budget else "over budget"
+        c.status = "fits" if result.needs_bytes <= budget else "over budget"
         if c.status == "over budget":
             for other in cands:
                 if other.status == "unplanned" and _needs_at_least(other, c):
@@ -300,7 +300,7 @@ def _no_fit_message(found: Search, nproc: int) -> str:
     if not planned:
         invalid = [c.note for c in found.candidates if c.note]
         return "no configuration could be planned" + (f": {invalid[0]}" if invalid else "")
-    least = min(planned, key=lambda c: c.plan.peak_bytes)
+    least = min(planned, key=lambda c: c.plan.needs_bytes)
     tried = {k: {c[k] for c in found.candidates} for k in AXES}
     moves = []
     if 3 not in tried["parallel.zero"] and max(c["parallel.dp"] for c in found.candidates) > 1:
@@ -310,12 +310,14 @@ def _no_fit_message(found: Search, nproc: int) -> str:
     if max(tried["train.accumulate"]) < 4 or len(tried["train.accumulate"]) == 1:
         moves.append("a smaller micro-batch (a larger train.accumulate)")
     moves.append(f"more processes (--nproc {2 * nproc})")
-    moves.append(f"a budget of at least {_mb(least.plan.peak_bytes)}")
+    moves.append(f"a budget of at least {_mb(least.plan.needs_bytes)}")
     full = least.plan.ranks[least.plan.fullest_rank]
     states = full.parameters + full.gradients + full.optimizer_state
     return (f"no configuration fits {_mb(found.budget)} a process: the smallest predicted peak is "
             f"{_mb(least.plan.peak_bytes)} ({' '.join(least.overrides)}; model states {_mb(states)}, activations "
-            f"and temporaries {_mb(full.activations + full.temporary)}); to fit, try {', '.join(moves)}")
+            f"and temporaries {_mb(full.activations + full.temporary)}"
+            + (f", and {_mb(least.plan.reserve_bytes)} of cuBLAS workspaces" if least.plan.reserve_bytes else "")
+            + f"); to fit, try {', '.join(moves)}")
 
 
 # --------------------------------------------------------------------------- parallel.auto

@@ -34,7 +34,7 @@ import torch
 from kiln._units import parse_size  # (kiln plan --memory-budget; importable from here as before)
 
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
-           "machine_budget", "parse_size", "plan", "run_budget"]
+           "machine_budget", "parse_size", "plan", "run_budget", "runtime_reserve"]
 
 
 def _state_tensors(optim_cfg: Any) -> int:
@@ -147,6 +147,9 @@ def _plan_lines(cfg: Any, planned: "Plan") -> list[str]:
     lines += ["  " + name.ljust(width) + "".join(f"{v / 2**20:10,.1f}" for v in values) for name, values in rows]
     lines.append(f"fullest     rank {full.rank}: {_mb(full.peak_bytes)} peak; "
                  f"{_flops(planned.flops_per_step)} per step over all ranks")
+    if planned.reserve_bytes:
+        lines.append(f"reserved    {_mb(planned.reserve_bytes)} a process beside the step's tensors "
+                     f"(cuBLAS's workspaces): {_mb(planned.needs_bytes)} needed on the fullest rank")
     return lines
 
 
@@ -215,6 +218,16 @@ class Plan:
     device: str = "cpu"  # the device type the run trains on
 
     @property
+    def reserve_bytes(self) -> int:
+        """What each process holds on the device beside the step's tensors (see :func:`runtime_reserve`)."""
+        return runtime_reserve(self.device)
+
+    @property
+    def needs_bytes(self) -> int:
+        """The memory the fullest process needs: its step's peak and the :attr:`reserve_bytes`."""
+        return self.peak_bytes + self.reserve_bytes
+
+    @property
     def fullest_rank(self) -> int:
         return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank)).rank
 
@@ -230,7 +243,7 @@ class Plan:
     def as_json(self) -> dict[str, Any]:
         layout = self.layout
         return {"ranks": [r.as_json() for r in self.ranks], "fullest_rank": self.fullest_rank,
-                "peak_bytes": self.peak_bytes, "flops_per_step": self.flops_per_step,
+                "peak_bytes": self.peak_bytes, "reserve_bytes": self.reserve_bytes, "flops_per_step": self.flops_per_step,
                 "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}, "world": layout.world,
                 "precision": self.precision, "device": self.device, "trace_seconds": round(self.seconds, 3)}
 
@@ -317,6 +330,36 @@ def _data(cfg: Any, device: torch.device, rank: int, world: int) -> Any:
     return _DATA[key]
 
 
+@contextlib.contextmanager
+def _unpacked_as_run(step: Any) -> Iterator[None]:
+    """transformers' masks as the run builds them. A Hugging Face model given neither a mask nor
+    a cache (a cached model under activation checkpointing runs without its cache) reads the
+    position ids it made itself, an ``arange``, to find sequences packed into one row; it cannot
+    read a fake tensor's values and takes it for packed. It then builds a mask, and the trace
+    planned attention over that mask and repeated key/value heads where the run takes SDPA's
+    causal path with grouped-query heads: +4% of the tiny Llama's step with checkpointing on
+    CPU, -5% on CUDA (another kernel). Where the batch gives no ``position_ids``, the answer
+    is known, nothing is packed, and the trace is given it."""
+    import sys
+    from collections.abc import Mapping
+
+    masking = sys.modules.get("transformers.masking_utils")  # (imported by a transformers model)
+    given = any(isinstance(b, Mapping) and "position_ids" in b for b in step.micro)
+    if masking is None or given or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    real = masking.find_packed_sequence_indices
+
+    def as_run(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if hasattr(position_ids, "fake_mode") else real(position_ids)
+
+    masking.find_packed_sequence_indices = as_run
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = real
+
+
 class PlanUnavailable(RuntimeError):
     """The step cannot be traced on fake tensors (the model reads its tensors' values, or uses
     an operator without a fake kernel); nothing is wrong with the config."""
@@ -396,7 +439,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                 par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
             dry_pipeline = _dry_pipeline(mailbox) if layout.pp > 1 else contextlib.nullcontext()
-            with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views():
+            with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views(), _unpacked_as_run(step):
                 scheduler = build_scheduler(cfg.optim, optimizer, 2)
                 run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
                                device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
@@ -594,13 +637,50 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- budgets
 
+# what a CUDA process holds outside the caching allocator: its context and the kernels it has
+# loaded. 751 MiB on an H100 (torch 2.11, CUDA 13) after a few products; more load as a run
+# uses more kernels, so 1 GiB is kept back from the GPU's memory
+CUDA_CONTEXT = 2**30
+CUBLAS_LT_WORKSPACE = 2**20  # cuBLASLt's own workspace, measured on an H100 (docs/gpu.md)
+
+
+def cublas_workspace(capability: tuple[int, int], config: str | None = None) -> int:
+    """The bytes of one cuBLAS handle's workspace as torch sizes it: ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KiB:COUNT`` pairs) where set, else 32 MiB on compute capability 9 and later
+    (Hopper, Blackwell) and 8 MiB + 128 KiB (``:4096:2:16:8``) before."""
+    if config:
+        numbers = [int(n) for n in config.split(":") if n.strip()]
+        if len(numbers) % 2 == 0 and numbers:
+            return sum(size * count for size, count in zip(numbers[::2], numbers[1::2])) * 1024
+    return 32 * 2**20 if capability >= (9, 0) else (4096 * 2 + 16 * 8) * 1024
+
+
+def runtime_reserve(device: torch.device | str) -> int:
+    """Bytes a training process holds on ``device`` beside its step's tensors, which the trace
+    cannot see: on CUDA, one cuBLAS workspace for each thread that runs matrix products (the
+    training loop's and autograd's backward thread, each with its own handle) and cuBLASLt's.
+    Measured on an H100: 2 x 32 MiB + 1 MiB (``kiln bench plan --device cuda``). 0 elsewhere.
+    Where no GPU is here to ask, compute capability 9 (the larger workspace) is assumed."""
+    import os
+
+    if torch.device(device).type != "cuda":
+        return 0
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+    return 2 * cublas_workspace(capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG")) + CUBLAS_LT_WORKSPACE
+
+
 def machine_budget(device: torch.device | str, processes: int) -> int | None:
     """The memory each of ``processes`` local processes can have here: on CPU the memory
     available now (``MemAvailable``) divided among them, on CUDA the GPU's total; None where
-    it is not known (a device this machine does not have)."""
+    it is not known (a device this machine does not have). On CUDA the GPU's total less
+    :data:`CUDA_CONTEXT`, read from the device's properties: asking the driver for its free
+    memory (``mem_get_info``) would make a CUDA context here, 518 MiB that kiln train's
+    launcher would then hold on GPU 0 for the whole run (an H100, torch 2.11)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_properties(device.index or 0).total_memory - CUDA_CONTEXT
     if device.type != "cpu":
         return None
     try:
@@ -623,10 +703,11 @@ def run_budget(tc: Any, device: torch.device, world: int) -> tuple[int | None, s
 
 
 def fit_problem(planned: Plan, budget: int, where: str) -> str | None:
-    """None when the fullest rank's peak fits ``budget`` bytes; else one line naming the peak
-    and what would bring it under (``where``: what the budget is, e.g. "--memory-budget 8GB")."""
+    """None when the fullest rank's peak, with the device's :func:`runtime_reserve`, fits
+    ``budget`` bytes; else one line naming the peak and what would bring it under (``where``:
+    what the budget is, e.g. "--memory-budget 8GB")."""
     full = planned.ranks[planned.fullest_rank]
-    if full.peak_bytes <= budget:
+    if planned.needs_bytes <= budget:
         return None
     layout = planned.layout
     states = full.parameters + full.gradients + full.optimizer_state
@@ -639,8 +720,9 @@ def fit_problem(planned: Plan, budget: int, where: str) -> str | None:
     moves.append(f"more processes (--nproc {2 * layout.world}, with ZeRO or tensor/pipeline parallel)")
     if full.activations + full.temporary <= states:
         moves.append("activation checkpointing or a smaller micro-batch")
+    reserve = f" + {_mb(planned.reserve_bytes)} of cuBLAS workspaces" if planned.reserve_bytes else ""
     return (f"the plan's fullest rank {full.rank} peaks at {_mb(full.peak_bytes)} (model states {_mb(states)}, "
-            f"activations and temporaries {_mb(full.activations + full.temporary)}), over {where} "
+            f"activations and temporaries {_mb(full.activations + full.temporary)}){reserve}, over {where} "
             f"({_mb(budget)} a rank); to fit, try {', '.join(moves[:3])}")
 
 

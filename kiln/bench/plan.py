@@ -306,17 +306,21 @@ def compare(case: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
 
 def measure(quick: bool = False, device: str = "cpu") -> Result:
     grid = QUICK_GRID if quick else GRID
-    notes = []
+    notes, extra = [], {}
     if device == "cuda":
         import torch
+
+        from kiln.plan import runtime_reserve
 
         skipped = [c["label"] for c in grid if c["world"] > 1]
         grid = [c for c in grid if c["world"] == 1]
         workspace = cublas_workspace_bytes()
+        extra = {"cublas_workspace_bytes": workspace, "reserve_bytes": runtime_reserve("cuda")}
         notes = [f"measured on {torch.cuda.get_device_name()}: torch.cuda.max_memory_allocated() over the second "
                  "step, less what was allocated before the row and the data sets' tensors; cuBLAS's workspaces, "
                  f"{workspace / 2**20:.1f} MB held by the allocator for the process from its first matrix product, "
-                 "were allocated before the first row and are not counted",
+                 "were allocated before the first row and are not counted; kiln plan reserves "
+                 f"{runtime_reserve('cuda') / 2**20:.1f} MB a process for them beside the step's peak",
                  f"not run on one GPU (a GPU per rank): {len(skipped)} layout rows"]
     rows = [compare(case, device) for case in grid]
     worst = max(rows, key=lambda r: abs(r["worst_error"]))
@@ -330,7 +334,7 @@ def measure(quick: bool = False, device: str = "cpu") -> Result:
             Col("temp", "temporary_mb", ".2f"), Col("comm", "communication_mb", ".2f"),
             Col("plan s", "plan_s", ".1f")]
     return Result(
-        report={"rows": rows, "worst": {"row": worst["label"], "error": worst["worst_error"]}},
+        report={"rows": rows, "worst": {"row": worst["label"], "error": worst["worst_error"]}, **extra},
         tables=[Table(rows, cols, title="kiln plan's predicted peak of a steady step against the allocator's record "
                                         "(fullest rank; 'worst rank': the largest error over the row's ranks)")],
         title="kiln plan: predicted vs measured peak tensor memory" + (" on the GPU" if device == "cuda" else ""),
