@@ -243,7 +243,8 @@ class Plan:
     def as_json(self) -> dict[str, Any]:
         layout = self.layout
         return {"ranks": [r.as_json() for r in self.ranks], "fullest_rank": self.fullest_rank,
-                "peak_bytes": self.peak_bytes, "reserve_bytes": self.reserve_bytes, "flops_per_step": self.flops_per_step,
+                "peak_bytes": self.peak_bytes, "reserve_bytes": self.reserve_bytes,
+                "flops_per_step": self.flops_per_step,
                 "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}, "world": layout.world,
                 "precision": self.precision, "device": self.device, "trace_seconds": round(self.seconds, 3)}
 

@@ -157,8 +157,8 @@ def _slow_second_save(marker: str) -> None:
 @pytest.mark.e2e  # kiln train processes, signalled: the full suite's
 def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt_not_a_failure(tmp_path):
     marker, out = tmp_path / "saving", tmp_path / "runs"
-    proc = KilnProcess(["train", MLP, *LONG, "train.checkpoint_every=2", "train.log_every=1", f"train.output_dir={out}"],
-                       cwd=str(ROOT), before=_slow_second_save, before_args=(str(marker),))
+    args = ["train", MLP, *LONG, "train.checkpoint_every=2", "train.log_every=1", f"train.output_dir={out}"]
+    proc = KilnProcess(args, cwd=str(ROOT), before=_slow_second_save, before_args=(str(marker),))
     _wait_for(proc, "saving", tmp_path)
     os.kill(proc.pid, signal.SIGINT)  # DCP wraps the KeyboardInterrupt in a CheckpointException
     code, err = _ended(proc)

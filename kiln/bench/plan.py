@@ -120,8 +120,9 @@ def _model_ranks(case: dict[str, Any]) -> int:
 
 def _measure_rank(rank: int, world: int, cfg: Any) -> dict[str, int]:
     """Set up ``cfg`` as kiln train does, train one step, and measure the second (with several
-    processes the least of the second to fourth, below): the peak of live tensor bytes, on top of what the model and optimizer hold (``TensorMemory``, as
-    ``summary.json`` measures it) and on top of every tensor live as the step starts."""
+    processes the least of the second to fourth, below): the peak of live tensor bytes, on top
+    of what the model and optimizer hold (``TensorMemory``, as ``summary.json`` measures it)
+    and on top of every tensor live as the step starts."""
     import gc
 
     import torch
@@ -328,7 +329,7 @@ def measure(quick: bool = False, device: str = "cpu") -> Result:
                  "step, less what was allocated before the row and the data sets' tensors; cuBLAS's workspaces, "
                  f"{workspace / 2**20:.1f} MB held by the allocator for the process from its first matrix product, "
                  "were allocated before the first row and are not counted; kiln plan reserves "
-                 f"{runtime_reserve('cuda') / 2**20:.1f} MB a process for them beside the step's peak",
+                 f"{extra['reserve_bytes'] / 2**20:.1f} MB a process for them beside the step's peak",
                  f"not run on one GPU (a GPU per rank): {len(skipped)} layout rows"]
     rows = [compare(case, device) for case in grid]
     worst = max(rows, key=lambda r: abs(r["worst_error"]))
