@@ -6,6 +6,7 @@ The budget-free grid of kiln tune is tested in test_train.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -174,6 +175,63 @@ def test_parallel_auto_is_the_launchers(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- kiln tune --memory-budget
+
+
+TRIAL_CONFIG = """
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kiln.config import LazyCall as L
+
+
+class Recorded(nn.Linear):
+    \"\"\"Writes the process it runs in to PIDS; BOOM in the environment makes its forward fail.\"\"\"
+
+    def forward(self, x):
+        with open(os.environ["PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        if os.environ.get("BOOM"):
+            raise RuntimeError("boom in the forward")
+        return super().forward(x.flatten(1))
+
+
+model = L(Recorded)(in_features=64, out_features=10)
+data = dict(name="digits", batch_size=32)
+optim = dict(name="adamw", lr=1e-3)
+train = dict(max_steps=2, eval_every=0, log_every=1, precision="fp32")
+"""
+
+
+@pytest.mark.distributed
+def test_a_trial_trains_in_processes_of_its_own_and_reports_their_error(tmp_path, monkeypatch, capfd):
+    """kiln tune's trial is launched from the tuner (its ranks forked from the shared fork server,
+    no new interpreter): even one process is not the tuner's own; a rank's error comes back as
+    the trial's note, its output is not the tuner's, and the tuner's environment is as before."""
+    from kiln.tune import _trial
+
+    config = tmp_path / "recorded.py"
+    config.write_text(TRIAL_CONFIG)
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("PIDS", str(pids))
+    monkeypatch.setenv("KILN_RUN_DIR", str(tmp_path / "not-the-trials"))  # a user's, for their own runs
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = dict(os.environ)
+    summary = _trial(config, [], 1, 2, tmp_path)
+    assert summary["status"] == "completed" and summary["steps"] == 2 and summary["peak_tensor_memory_mb"] > 0
+    ran_in = {int(line) for line in pids.read_text().split()}
+    assert ran_in and os.getpid() not in ran_in
+    monkeypatch.setenv("BOOM", "1")
+    failed = _trial(config, [], 2, 2, tmp_path)
+    assert set(failed) == {"error"} and "boom in the forward" in failed["error"], failed
+    monkeypatch.delenv("BOOM")
+    assert capfd.readouterr().err == ""  # nothing of the trials on the tuner's console
+    assert dict(os.environ) == before  # (torchrun's agent sets OMP_NUM_THREADS where it launches)
+    assert not (tmp_path / "not-the-trials").exists()
+    recorded = list(tmp_path.glob("trial-*/logs/**/error.json"))  # each rank's output, under the trial
+    assert recorded and all("boom in the forward" in r.read_text() for r in recorded)
 
 
 @pytest.mark.distributed

@@ -61,9 +61,12 @@ RUN_DIR_ENV = "KILN_RUN_DIR"
 
 
 def train_command(config: str | None, overrides: list[str], *, resume: str | Path | None = None, nproc: int = 1,
-                  max_restarts: int = 0) -> int:
+                  max_restarts: int = 0, rank_logs: Path | None = None) -> int:
     """``kiln train CONFIG [key=value ...]`` (or ``--resume RUN_DIR``), this process's part of it;
-    returns the exit status: 0 if the run completed, 1 if it did not."""
+    returns the exit status: 0 if the run completed, 1 if it did not. ``rank_logs``: this
+    process is the launcher even of one process, whose ranks write their output under that
+    folder, not to this process's (``kiln tune``'s trials: each in processes of its own, forked
+    from the fork server the trials share, not a new interpreter each)."""
     run_dir = Path(resume) if resume is not None else None
     if run_dir is not None and not (run_dir / CONFIG).is_file():
         raise CheckpointError(f"{run_dir} is not a kiln run directory (no {CONFIG} in it)")
@@ -92,13 +95,13 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
         from kiln.plan import check_fits
 
         check_fits(cfg, nproc)  # a config whose plan exceeds the machine, refused before it allocates
-    if nproc == 1:
+    if nproc == 1 and rank_logs is None:
         return _train_here(cfg, run_dir, name, worker=False)
     check_model(cfg)  # on the meta device: what the model allows
     rank = (None, overrides, str(run_dir)) if run_dir is not None else (config, overrides, None)
     if run_dir is None and os.environ.get(RUN_DIR_ENV):
         run_dir = Path(os.environ[RUN_DIR_ENV])  # the user named the run directory: the launcher opens it
-    return _launch(rank, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name)
+    return _launch(rank, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name, rank_logs)
 
 
 def _run_name(config: Path) -> str:
@@ -128,7 +131,7 @@ def _train_here(cfg: Any, run_dir: Path | None, name: str, *, worker: bool) -> i
 
 
 def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_restarts: int, run_dir: Path | None,
-            output_dir: str, name: str) -> int:
+            output_dir: str, name: str, rank_logs: Path | None = None) -> int:
     """Run ``train_command(*rank)`` (config, overrides, resume) in ``nproc`` local processes
     under torchrun's elastic agent.
 
@@ -152,7 +155,7 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
         for log in quiet:
             log.setLevel(logging.ERROR)
         with _environ(**{RUN_DIR_ENV: str(run_dir)}):  # named here, so every restart finds it
-            _torchrun(nproc, max_restarts, rank)
+            _torchrun(nproc, max_restarts, rank, rank_logs)
     except ChildFailedError as exc:
         failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
         mark_stopped(run_dir, "failed", f"training failed ({failures})")
@@ -182,18 +185,21 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
 WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "matplotlib.figure"]
 
 
-def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], str | None]) -> None:
+def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], str | None],
+              rank_logs: Path | None = None) -> None:
     """What ``torchrun --standalone --nproc-per-node NPROC --max-restarts MAX_RESTARTS -m kiln
     train ...`` does, in this process, each rank forked from a fork server (``WORKER_PRELOAD``)
-    rather than started as a new interpreter; raises what torchrun's agent raises."""
+    rather than started as a new interpreter; raises what torchrun's agent raises. With
+    ``rank_logs``, as ``--log-dir RANK_LOGS --redirects 3``: each rank's output to files there."""
     import multiprocessing
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
+    logs = ["--log-dir", str(rank_logs), "--redirects", "3"] if rank_logs is not None else []
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                       "--start-method", "forkserver", "-m", "kiln", "train"])
+                       "--start-method", "forkserver", *logs, "-m", "kiln", "train"])
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # --standalone
     config, _, _ = config_from_args(args)
     multiprocessing.set_forkserver_preload(WORKER_PRELOAD)  # (read when the server first starts)
