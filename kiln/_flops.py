@@ -142,7 +142,9 @@ def matmul_size(dtype: torch.dtype) -> int:
     13-50x fp32) measured at 1024 cost 4.6 s a run start, also where ``KILN_BF16=native`` claims
     otherwise."""
     small = MATMUL_N // 4
-    seconds = 2 * small**3 / matmul_flops(dtype, small, repeats=1, budget_s=0.0)
+    # the best of up to 3 within 20 ms: one product preempted on a busy machine (a test suite's
+    # three processes on two cores) read fp32 as slow; a slow dtype's first product ends it
+    seconds = 2 * small**3 / matmul_flops(dtype, small, repeats=3, budget_s=0.02)
     return MATMUL_N if seconds * (MATMUL_N // small) ** 3 <= SIZE_BUDGET_S else small
 
 

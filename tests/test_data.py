@@ -326,6 +326,22 @@ def test_text_lm_targets_are_the_next_byte_and_the_corpus_is_reproducible():
     assert not torch.equal(a.val.tensors[0][:8], x[:8])
     other = build_dataset("text_lm", corpus_seed=1, num_samples=64, seq_len=32, val_samples=8)
     assert not torch.equal(other.train.tensors[0], x)
+    # drawn once a process: a data set changed in place does not change the next one built
+    x.zero_()
+    again = build_dataset("text_lm", seed=0, num_samples=64, seq_len=32, val_samples=8).train.tensors[0]
+    assert torch.equal(again, b.train.tensors[0]) and int(again.max()) > 0
+
+
+def test_the_corpus_is_drawn_once_a_process_and_each_caller_gets_its_own_tensor():
+    from kiln.data._text import _drawn_windows, _windows, generate_text
+
+    _drawn_windows.cache_clear()
+    first = _windows(3, 16, 9)
+    first.fill_(0)
+    second = _windows(3, 16, 9)
+    assert _drawn_windows.cache_info().hits == 1 and int(second.min()) > 0
+    # the draw itself: the generated text, cut into windows in order
+    assert bytes(second.flatten().to(torch.uint8).tolist()) == generate_text(16 * 9 // 24 + 16, 3).encode()[:16 * 9]
 
 
 def test_text_mlm_scores_the_same_number_of_positions_in_every_sequence():

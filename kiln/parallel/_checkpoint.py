@@ -40,6 +40,7 @@ named ``<dir>`` is always complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -51,7 +52,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -319,6 +320,27 @@ def _merge_meta(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+@contextlib.contextmanager
+def _dcp_call() -> Iterator[None]:
+    """Around a ``dcp.save`` or ``dcp.load``: without its warning that one process is "assuming
+    the intent is to save in a single process", and with its call logger (which records every
+    call, one per tensor written, at DEBUG, to a handler that drops them) above DEBUG: building
+    those records was a quarter of a small model's save (0.20 -> 0.15 s for the tiny GPT's
+    276 tensors, CPU)."""
+    import logging
+
+    from torch.distributed.checkpoint.logger import _dcp_logger
+
+    level = _dcp_logger.level
+    _dcp_logger.setLevel(max(level, logging.INFO))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process")
+            yield
+    finally:
+        _dcp_logger.setLevel(level)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -386,8 +408,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             for g in osd["param_groups"]:
                 hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
                 local["param_groups"].append({"hyper": hyper, "params": [fqn[i] for i in g["params"] if i in fqn]})
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.filterwarnings("ignore", message=".*single process")
+        with _dcp_call():
             dcp.save(tensors, checkpoint_id=str(tmp), planner=_SavePlanner(chunks), no_dist=not _dist())
         for name, obj in (files or {}).items():
             with open(tmp / name, "wb") as f:
@@ -505,8 +526,7 @@ def read_sharded(directory: str | os.PathLike, prefix: str = "") -> tuple[dict[s
     reader = _SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.startswith(prefix)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process")
+    with _dcp_call():
         dcp.load(tensors, checkpoint_id=str(path), storage_reader=reader, no_dist=True)
     return tensors, meta
 
@@ -565,8 +585,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                 st[k] = torch.zeros(size, dtype=dtype)  # 'step' and other small entries
                 targets[key] = st[k]
             opt_targets[fqn] = st
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process")
+    with _dcp_call():
         dcp.load(targets, checkpoint_id=str(path), storage_reader=reader, planner=_LoadPlanner(chunks),
                  no_dist=not _dist())
     for st, k, key in put_back:
