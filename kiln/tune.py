@@ -86,7 +86,6 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
     import logging
     import os
 
-    from kiln.train._run_dir import Terminated
     from kiln.train.launch import RUN_DIR_ENV, exit_status, train_command
 
     out = Path(tempfile.mkdtemp(prefix="trial-", dir=scratch))
@@ -109,8 +108,8 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
         agent_log.disabled = False
         os.environ.clear()
         os.environ.update(environ)
-    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # Ctrl-C or SIGTERM stopped the trial: stop tuning
-        raise KeyboardInterrupt if code == 128 + signal.SIGINT else Terminated()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # Ctrl-C or SIGTERM stopped the trial:
+        signal.raise_signal(code - 128)  # the same stop, to the tuner (it ends as kiln train would)
     summaries = list(out.glob("*/summary.json"))
     summary = json.loads(summaries[0].read_text()) if summaries else {}
     if code != 0 or summary.get("status") != "completed":

@@ -141,6 +141,7 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
     lives. When rank 0 could not record how the run ended, the launcher marks it."""
     import logging
 
+    import torch.distributed.launcher.api  # noqa: F401  (first: importing torchrun's agent sets its logger's level)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
