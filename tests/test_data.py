@@ -333,13 +333,13 @@ def test_text_lm_targets_are_the_next_byte_and_the_corpus_is_reproducible():
 
 
 def test_the_corpus_is_drawn_once_a_process_and_each_caller_gets_its_own_tensor():
-    from kiln.data._text import _drawn_windows, _windows, generate_text
+    from kiln.data._text import _text_bytes, _windows, generate_text
 
-    _drawn_windows.cache_clear()
+    _text_bytes.cache_clear()
     first = _windows(3, 16, 9)
     first.fill_(0)
     second = _windows(3, 16, 9)
-    assert _drawn_windows.cache_info().hits == 1 and int(second.min()) > 0
+    assert _text_bytes.cache_info().hits == 1 and int(second.min()) > 0
     # the draw itself: the generated text, cut into windows in order
     assert bytes(second.flatten().to(torch.uint8).tolist()) == generate_text(16 * 9 // 24 + 16, 3).encode()[:16 * 9]
 

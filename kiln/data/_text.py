@@ -68,21 +68,22 @@ def generate_text(sentences: int, seed: int) -> str:
 def _windows(seed: int, count: int, length: int) -> torch.Tensor:
     """``count`` consecutive non-overlapping windows of ``length`` byte ids: (count, length) int64,
     a new tensor of each call (the caller may change it)."""
-    return _drawn_windows(seed, count, length).clone()
+    ids = torch.frombuffer(bytearray(_text_bytes(seed, count * length)), dtype=torch.uint8).to(torch.int64)
+    return ids.view(count, length)
 
 
 @functools.lru_cache(maxsize=16)
-def _drawn_windows(seed: int, count: int, length: int) -> torch.Tensor:
-    """:func:`_windows`, drawn once a process for each argument (0.3 s of Python for the 4,096
-    windows of a default text_lm set: a process that trains again, as kiln tune's trials and
-    a test's runs do, draws them once)."""
-    needed = count * length
-    # A sentence is about 30 bytes; draw enough text in one go, then cut it into windows.
+def _text_bytes(seed: int, needed: int) -> bytes:
+    """The first ``needed`` bytes of the text drawn from ``seed``, drawn once a process for each
+    argument (0.3 s of Python for a default text_lm set's 4,096 windows: a process that trains
+    again, as kiln tune's trials and a test's runs do, draws them once). Kept as bytes, not a
+    tensor: a run's tensor memory (summary.json, kiln plan's check against the allocator) holds
+    nothing of the cache."""
+    # A sentence is about 30 bytes; draw enough text in one go, then cut it to length.
     text = generate_text(needed // 24 + 16, seed).encode("ascii")
     while len(text) < needed:
         text += b" " + generate_text(needed // 24 + 16, seed + len(text)).encode("ascii")
-    ids = torch.frombuffer(bytearray(text[:needed]), dtype=torch.uint8).to(torch.int64)
-    return ids.view(count, length)
+    return text[:needed]
 
 
 # Train and validation text come from different grammar draws; fixed offsets keep them apart
