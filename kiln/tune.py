@@ -83,7 +83,6 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
     import contextlib
     import io
     import json
-    import logging
     import os
 
     from kiln.train.launch import RUN_DIR_ENV, exit_status, train_command
@@ -96,16 +95,12 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
     os.environ.pop(RUN_DIR_ENV, None)  # a trial's run directory is its own
     if nproc > 1:  # what torchrun's agent would set for the ranks, and say so on every trial
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # the agent logs a failed rank's traceback (under "logs" too): the trial's note says it
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.disabled = True
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             code = exit_status(lambda: train_command(str(config), args, nproc=nproc, rank_logs=out / "logs"))
     except Exception as exc:  # a bug the trial hit is the trial's error, as a crashed process's was
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
-        agent_log.disabled = False
         os.environ.clear()
         os.environ.update(environ)
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # Ctrl-C or SIGTERM stopped the trial:

@@ -152,9 +152,12 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
     # signal") would bury the one line that says what happened and how to continue
     quiet = [logging.getLogger(f"torch.distributed.elastic.{m}") for m in ("agent.server.api", "multiprocessing.api")]
     levels = [log.level for log in quiet]
+    # with rank_logs the ranks' output, tracebacks included, goes to files there: the agent's
+    # ERROR copy of a failed rank's traceback is left out too (the one line still names the error)
+    quiet_level = logging.CRITICAL if rank_logs is not None else logging.ERROR
     try:
         for log in quiet:
-            log.setLevel(logging.ERROR)
+            log.setLevel(quiet_level)
         with _environ(**{RUN_DIR_ENV: str(run_dir)}):  # named here, so every restart finds it
             _torchrun(nproc, max_restarts, rank, rank_logs)
     except ChildFailedError as exc:
