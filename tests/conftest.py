@@ -27,6 +27,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # interpreters importing torch; each is still a fresh process with the caller's environment.
 os.environ.setdefault("KILN_START_METHOD", "forkserver")
 
+# ... and that server imports once, too, what the ranks of many tests would each import on first
+# use: torch._dynamo (DTensor's distribute_tensor and FSDP2 import it), the parallel APIs,
+# hydra's override parser and the transformers models the tests train (a rank unpickling a test
+# module's function imports the module, and so transformers). Each was 1-3 s of CPU in every
+# rank that needed it: a profile of the suite found ~300 s of imports in forked ranks. Whichever
+# of run_distributed and an in-process kiln train --nproc starts a test process's server first,
+# it preloads these.
+RANK_PRELOAD = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
+                "torch.distributed.checkpoint", "hydra", "omegaconf", "kiln.hf", "transformers",
+                *(f"transformers.models.{family}.modeling_{family}" for family in ("llama", "gpt2", "bert", "qwen2"))]
+
+
+def _extend_rank_preload() -> None:
+    from kiln.parallel import testing
+    from kiln.train import launch
+
+    for preload in (testing.FORKSERVER_PRELOAD, launch.WORKER_PRELOAD):
+        # before kiln._gc_freeze, which freezes what came before it; a missing one the server skips
+        preload[-1:-1] = [m for m in RANK_PRELOAD if m not in preload]
+
+
+_extend_rank_preload()
+
 # What kiln caches about the machine (train.precision=auto's timings, the CPU's matmul peak) goes
 # to a folder of this test session, not the user's ~/.cache/kiln; subprocesses inherit it.
 if "KILN_CACHE_DIR" not in os.environ:

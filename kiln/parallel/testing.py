@@ -62,9 +62,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
 
 
 # what a forkserver imports once, before it forks the workers: kiln's launcher's fork server's
-# (kiln.train.launch.WORKER_PRELOAD) and more, so that a process using both has one server for both
+# (kiln.train.launch.WORKER_PRELOAD) and more, so that a process using both has one server for
+# both; kiln._gc_freeze last (it freezes what the others imported)
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.train.launch", "kiln.parallel", "kiln.parallel._checkpoint",
-                      "matplotlib.figure"]
+                      "matplotlib.figure", "kiln._gc_freeze"]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,

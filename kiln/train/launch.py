@@ -186,7 +186,8 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
 # trainer, torch.distributed.checkpoint (every run writes a checkpoint) and matplotlib's figure
 # (rank 0 draws loss.png). A rank forked from it starts in a fraction of a second; a new
 # interpreter spent ~5 s of CPU importing these, for every rank of every launch and restart.
-WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "matplotlib.figure"]
+# kiln._gc_freeze comes last: it freezes what the others imported (see there).
+WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "matplotlib.figure", "kiln._gc_freeze"]
 
 
 def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], str | None],
