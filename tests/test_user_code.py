@@ -101,9 +101,10 @@ def _forget(tmp_path: Path) -> None:
     """What a fresh process would not have: the modules imported from under ``tmp_path``, and
     its directories on sys.path."""
     root = str(tmp_path.resolve())
+    installed = (sys.prefix, sys.base_prefix)  # torch's, transformers'... thousands, none under tmp_path
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if isinstance(file, str) and os.path.realpath(file).startswith(root):
+        if isinstance(file, str) and not file.startswith(installed) and os.path.realpath(file).startswith(root):
             del sys.modules[name]
     sys.path[:] = [p for p in sys.path if not os.path.realpath(p or ".").startswith(root)]
     lazy._USER_DIRS.difference_update({d for d in lazy._USER_DIRS if d.startswith(root)})

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kiln.train.launch import WORKER_PRELOAD
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -61,11 +63,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
         dist.destroy_process_group()
 
 
-# what a forkserver imports once, before it forks the workers: kiln's launcher's fork server's
-# (kiln.train.launch.WORKER_PRELOAD) and more, so that a process using both has one server for
-# both; kiln._gc_freeze last (it freezes what the others imported)
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.train.launch", "kiln.parallel", "kiln.parallel._checkpoint",
-                      "matplotlib.figure", "kiln._gc_freeze"]
+# what a forkserver imports once, before it forks the workers: torch.distributed and kiln.parallel,
+# then kiln's launcher's fork server's list (kiln.train.launch.WORKER_PRELOAD), so that a process
+# using both has one server for both; that list ends with kiln._gc_freeze, which freezes the rest
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.parallel", *WORKER_PRELOAD]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,

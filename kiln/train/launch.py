@@ -183,11 +183,15 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
 
 
 # What the fork server that starts the ranks imports once, before it forks them: torch, kiln's
-# trainer, torch.distributed.checkpoint (every run writes a checkpoint) and matplotlib's figure
-# (rank 0 draws loss.png). A rank forked from it starts in a fraction of a second; a new
+# trainer, torch.distributed.checkpoint (every run writes a checkpoint, through DCP's fsspec
+# module), matplotlib's figure and Agg canvas (rank 0 draws loss.png), and what every run
+# imports on first use (kiln's models and data sets, the FLOP counter, the profiler that
+# measures tensor memory on CPU). A rank forked from it starts in a fraction of a second; a new
 # interpreter spent ~5 s of CPU importing these, for every rank of every launch and restart.
 # kiln._gc_freeze comes last: it freezes what the others imported (see there).
-WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "matplotlib.figure", "kiln._gc_freeze"]
+WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "torch.distributed.checkpoint._fsspec_filesystem",
+                  "matplotlib.figure", "matplotlib.backends.backend_agg", "kiln.models", "kiln.data",
+                  "torch.utils.flop_counter", "torch.profiler", "kiln._gc_freeze"]
 
 
 def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], str | None],
