@@ -6,6 +6,7 @@ techniques that change no number leave the accuracy where the row before left it
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -31,10 +32,16 @@ def _curve(row: dict) -> list[tuple[int, float, float]]:
     return [(e["step"], e["accuracy"], e["loss"]) for e in row["curve"]]
 
 
-@pytest.mark.distributed  # seven kiln train processes, five of them under torchrun
+@pytest.mark.distributed  # seven kiln train runs in this process, five of them launching two ranks
 def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path):
     assert "pipeline" in BENCHMARKS
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    handlers = [signal.getsignal(s) for s in stops]
     report = run_benchmark("pipeline", tmp_path, quick=True)
+    # a quick run's rows run through kiln.cli.main here: launching the ranks under torchrun's
+    # agent leaves this process's signal handlers as they were (the agent sets four)
+    assert report["setup"]["rows_in_this_process"] is True
+    assert [signal.getsignal(s) for s in stops] == handlers
     assert json.loads((tmp_path / "pipeline.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "pipeline.png").stat().st_size > 0
     assert (tmp_path / "pipeline.txt").read_text().startswith("kiln bench pipeline: ")

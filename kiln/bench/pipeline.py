@@ -24,7 +24,10 @@ with the same seed, batch and constant learning rate for at most ``max_steps`` s
 step budget, the article's fixed number of epochs), evaluating every ``eval_every`` steps.
 
 Each row is one ``python -m kiln train pipeline.yaml [--nproc 2] KEY=VALUE ...`` in a fresh
-process (the command is in the JSON: paste it to rerun a row). Columns:
+process (the command is in the JSON: paste it to rerun a row). ``--quick`` is a smoke run of the
+same rows: each runs its arguments through :func:`kiln.cli.main` in the bench's own process (a
+row with ``--nproc 2`` forks its ranks from that process's fork server), so its command and CPU
+seconds leave out Python's start-up and the imports, and the ranks' CPU is not counted. Columns:
 
 - time to target: the run's own clock (``wall_seconds`` of ``metrics.csv``, rank 0, from the
   start of setup: data sets, model, loader workers and evaluations included, Python start-up
@@ -177,20 +180,52 @@ def row_commands(spec: dict[str, Any]) -> list[dict[str, Any]]:
             for i, (name, nproc, _) in enumerate(ROWS)]
 
 
-def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float) -> dict[str, Any]:
+# what a row's command must not inherit: a run directory named by a launcher above, and a thread count
+_NOT_INHERITED = ("KILN_RUN_DIR", "OMP_NUM_THREADS")
+
+
+def _command(argv: list[str]) -> tuple[int, str]:
+    """``python -m kiln ARGV`` as a new process: its exit status and its output."""
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    done = subprocess.run([sys.executable, "-m", "kiln", *argv], env=env, capture_output=True, text=True)
+    return done.returncode, done.stdout[-3000:] + "\n" + done.stderr[-3000:]
+
+
+def _in_this_process(argv: list[str]) -> tuple[int, str]:
+    """``kiln ARGV`` through :func:`kiln.cli.main` in this process (quick runs): no interpreter to
+    start and no imports to repeat; ``--nproc 2`` forks its ranks from this process's fork server.
+    Its output goes where this process's goes."""
+    from kiln.cli import main
+
+    saved = {k: os.environ.pop(k) for k in _NOT_INHERITED if k in os.environ}
+    try:
+        return main(argv), "(its output is above)"
+    finally:
+        os.environ.update(saved)
+
+
+def _cpu_s(in_process: bool) -> float:
+    """CPU seconds so far of the finished child processes, and of this one when rows run in it."""
+    if not in_process:
+        return children_cpu_s()
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return children_cpu_s() + own.ru_utime + own.ru_stime
+
+
+def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float, in_process: bool) -> dict[str, Any]:
     out = runs_dir / f"row{row['row']}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "kiln", "train", str(config), *(["--nproc", str(row["nproc"])] if row["nproc"] > 1
-                                                                  else []),
-           *row["overrides"], f"train.output_dir={out}", f"train.run_name=row{row['row']}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("KILN_RUN_DIR", "OMP_NUM_THREADS")}
-    cpu_before, start = children_cpu_s(), time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    argv = ["train", str(config), *(["--nproc", str(row["nproc"])] if row["nproc"] > 1 else []), *row["overrides"],
+            f"train.output_dir={out}", f"train.run_name=row{row['row']}"]
+    cpu_before, start = _cpu_s(in_process), time.perf_counter()
+    code, output = (_in_this_process if in_process else _command)(argv)
     command_s = time.perf_counter() - start
-    cpu_s = children_cpu_s() - cpu_before  # the command and every process it waited for
-    if done.returncode != 0:
-        raise RuntimeError(f"row {row['row']} ({row['name']}) failed with exit code {done.returncode}:\n"
-                           f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    cpu_s = _cpu_s(in_process) - cpu_before  # the command and every process it waited for
+    if code != 0:
+        raise RuntimeError(f"row {row['row']} ({row['name']}) failed with exit code {code}:\n"
+                           f"kiln {' '.join(argv)}\n{output}")
     import yaml
 
     from kiln.train import read_metrics
@@ -203,7 +238,7 @@ def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float) -
               "loss": float(r["eval_loss"])} for r in evals]
     hit = next((e for e in curve if e["accuracy"] >= target), None)
     return {
-        **row, "command": " ".join(["kiln", "train", "pipeline.yaml"] + cmd[5:-2]),
+        **row, "command": " ".join(["kiln", "train", "pipeline.yaml"] + argv[2:-2]),
         "config": {"workers": config_used["data"]["workers"], "precision": config_used["train"]["precision"],
                    "zero": config_used["parallel"]["zero"], "early_stopping": config_used["train"]["early_stopping"],
                    "eval_grad": config_used["train"]["eval_grad"], "processes": summary["processes"]},
@@ -225,7 +260,7 @@ def measure(quick: bool = False, *, out: Path) -> Result:
     spec = QUICK if quick else FULL
     config = out / "pipeline.yaml"
     config.write_text(yaml.safe_dump(_config(spec), sort_keys=False))
-    rows = [_run_row(config, row, out / "runs", spec["target"]) for row in row_commands(spec)]
+    rows = [_run_row(config, row, out / "runs", spec["target"], in_process=quick) for row in row_commands(spec)]
     base = rows[0]
     for r in rows:
         r["speedup_to_target"] = (base["time_to_target_s"] / r["time_to_target_s"]
@@ -243,7 +278,7 @@ def measure(quick: bool = False, *, out: Path) -> Result:
              Bars("validation accuracy", rows, label, {"final": "final_accuracy", "best": "best_accuracy"},
                   "accuracy", lines={"target": spec["target"]})]
     report = {"setup": dict(spec, batch_size=BATCH, eval_batch_size=EVAL_BATCH, lr=LR, image=IMAGE, quick=quick,
-                            base_config=_config(spec)), "rows": rows}
+                            rows_in_this_process=quick, base_config=_config(spec)), "rows": rows}
     title = (f"six ways to a faster pipeline, stacked; target: validation accuracy >= {spec['target']:.0%}; "
              f"budget {spec['max_steps']} steps of {BATCH}, evaluation every {spec['eval_every']}")
     # every row's processes run one intra-op thread (train.threads)
