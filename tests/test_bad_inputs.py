@@ -139,17 +139,22 @@ def test_kiln_run_dir_whose_parents_do_not_exist_is_created(tmp_path, capsys, mo
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("launcher", ["torchrun", "kiln --nproc 2"])
-def test_kiln_run_dir_whose_parents_do_not_exist_under_torchrun(tmp_path, launcher):
+def test_kiln_run_dir_whose_parents_do_not_exist_under_torchrun(tmp_path, monkeypatch, launcher):
     """The documented multi-process form (torchrun starts the workers, KILN_RUN_DIR names the
-    run), and kiln's own launcher, which writes where KILN_RUN_DIR says too."""
+    run), and kiln's own launcher (here through kiln.cli.main in this process), which writes
+    where KILN_RUN_DIR says too."""
+    from kiln.cli import main
+
     run = tmp_path / "new" / "dir" / "deeper"
-    env = {**os.environ, "KILN_RUN_DIR": str(run)}
-    start = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kiln", "train", MLP]
-             if launcher == "torchrun" else ["-m", "kiln", "train", MLP, "--nproc", "2"])
-    proc = subprocess.run([sys.executable, *start, "train.max_steps=4", "train.progress=none",
-                           f"train.output_dir={tmp_path / 'elsewhere'}"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["train.max_steps=4", "train.progress=none", f"train.output_dir={tmp_path / 'elsewhere'}"]
+    if launcher == "torchrun":
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "kiln", "train", MLP, *args], env={**os.environ, "KILN_RUN_DIR": str(run)},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        monkeypatch.setenv("KILN_RUN_DIR", str(run))
+        assert main(["train", MLP, "--nproc", "2", *args]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4 and summary["processes"] == 2
     assert not (tmp_path / "elsewhere").exists()  # not under train.output_dir
