@@ -59,6 +59,24 @@ def test_run_directory_is_complete(tmp_path, capsys):
 
 
 @pytest.mark.e2e
+def test_loss_png_is_log_scaled_only_where_the_losses_span_a_decade(tmp_path):
+    from kiln.train._plot import loss_figure, plot_loss
+
+    def run(name: str, rows: list[tuple[int, str, str]]) -> Path:
+        (tmp_path / name).mkdir()
+        lines = ["step,train_loss,eval_loss"] + [",".join(map(str, r)) for r in rows]
+        (tmp_path / name / "metrics.csv").write_text("\n".join(lines) + "\n")
+        return tmp_path / name
+
+    long = run("long", [(1, 2.3, ""), (50, 0.5, 0.6), (100, 0.2, 0.25)])  # 2.3 / 0.2: over a decade
+    short = run("short", [(1, 2.3, ""), (2, 2.2, 2.1)])
+    one = run("one", [(2, 2.2, "")])
+    assert [loss_figure(r).axes[0].get_yscale() for r in (long, short, one)] == ["log", "linear", "linear"]
+    # a curve of one point is drawn (as a dot: a line needs two)
+    assert loss_figure(one).axes[0].lines[0].get_marker() == "o"
+    assert plot_loss(long) == long / "loss.png" and (long / "loss.png").stat().st_size > 0
+
+
 def test_rerun_from_saved_config_is_bitwise_identical(tmp_path):
     first = _train(tmp_path, VIT, "train.max_steps=12", "model.depth=1", "train.log_every=4", "model.dropout=0.1")
     second = _train(tmp_path, str(first / "config.yaml"))
