@@ -300,12 +300,16 @@ def on_stop_signal(signum: int, frame: Any) -> None:
 def stop_signals() -> Iterator[None]:
     """Within it, SIGINT raises KeyboardInterrupt and SIGTERM (what schedulers send before they
     kill) raises Terminated, and :func:`stopped_by` knows which came; the handlers before it
-    come back after. Only the main thread can set handlers: elsewhere it changes nothing."""
+    come back after, SIGHUP's and SIGQUIT's too (torchrun's agent, which ``kiln train --nproc``
+    runs in this process, points them at its own handler for good: a caller of
+    ``kiln.cli.main`` would otherwise get its exception on every later SIGHUP or SIGQUIT).
+    Only the main thread can set handlers: elsewhere it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _received.clear()
-    previous = {s: signal.signal(s, on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    kept = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGQUIT)}
+    previous = {**kept, **{s: signal.signal(s, on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}}
     try:
         yield
     finally:

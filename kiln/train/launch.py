@@ -32,7 +32,6 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -213,25 +212,7 @@ def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], 
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # --standalone
     config, _, _ = config_from_args(args)
     multiprocessing.set_forkserver_preload(WORKER_PRELOAD)  # (read when the server first starts)
-    with _handlers_kept(signal.SIGHUP, signal.SIGQUIT):
-        elastic_launch(config=config, entrypoint=_rank)(*rank, dict(os.environ), os.getcwd())
-
-
-@contextlib.contextmanager
-def _handlers_kept(*signals: signal.Signals) -> Iterator[None]:
-    """The handlers of ``signals`` as they were before, once the block ends. torchrun's agent
-    points SIGHUP and SIGQUIT at its own handler for good (SIGINT and SIGTERM are
-    ``stop_signals``'); a caller of ``kiln.cli.main`` would otherwise get its exception on every
-    later SIGHUP or SIGQUIT. Only the main thread can set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {s: signal.getsignal(s) for s in signals}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    elastic_launch(config=config, entrypoint=_rank)(*rank, dict(os.environ), os.getcwd())
 
 
 # the fork server's environment, recorded as it imports this module (WORKER_PRELOAD): what a
@@ -259,6 +240,7 @@ def _stop_with_the_launcher(every_s: float = 1.0) -> None:
     lock went with the launcher) stops as on SIGTERM: rank 0 marks the run interrupted and the
     checkpoints stay, for ``kiln train --resume``. The fork server outlives the launcher while
     ranks live (they hold its pipe), so a thread watches the server's parent change."""
+    import threading
     import time
 
     server = os.getppid()
