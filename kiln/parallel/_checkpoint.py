@@ -212,6 +212,15 @@ def _sharded(optimizer: Optimizer | None) -> Any:
     return inner if isinstance(inner, ArenaOptimizer) and inner.shards else None
 
 
+def _state_views(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` whose tensors are the optimizer's own, not copies: kiln's
+    arena optimizer copies its state in ``state_dict()`` (torch.optim's, like this, does not),
+    and a checkpoint writes from the arena itself."""
+    from kiln.optim import ArenaOptimizer
+
+    return optimizer.state_dict(copy=False) if isinstance(optimizer, ArenaOptimizer) else optimizer.state_dict()
+
+
 def _boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The flat range [a, b) of a row-major tensor of ``shape`` as (offsets, sizes) boxes, in
     order; each box is itself a contiguous run of the flat range (a partial first row, whole
@@ -273,9 +282,22 @@ class _SavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         key = (write_item.index.fqn, write_item.index.offset)
-        if key in self.by_index:
-            return self.by_index[key]
-        return super().resolve_data(write_item)
+        data = self.by_index[key] if key in self.by_index else super().resolve_data(write_item)
+        return _own_storage(data) if torch.is_tensor(data) else data
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU tensor) as a tensor whose storage is exactly its own bytes,
+    sharing them: a slice of the storage it views, no copy. DCP's writer clones every tensor
+    whose storage is larger than itself (``torch.save`` would write the whole storage) and
+    keeps each clone until the rank's file is written: for kiln's arena, whose parameters and
+    optimizer state are all views of a few flat buffers, that was a second copy of the whole
+    state in memory during every save."""
+    st = t.untyped_storage()
+    if t.device.type != "cpu" or not t.is_contiguous() or st.nbytes() == t.nbytes:
+        return t  # (a GPU tensor is copied to the host by DCP anyway, one at a time)
+    start = t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=t.dtype).set_(st[start:start + t.nbytes], 0, t.shape, t.stride())
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -391,7 +413,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             shape = {i: torch.Size(held(names[id(p)], tuple(p.shape))) for i, p in indexed}
             sharded = _sharded(optimizer)
             # a shard's own state dict: this rank's pieces, and where they lie (no gather)
-            osd = (sharded or optimizer).state_dict()
+            osd = _state_views(sharded or optimizer)
             pieces = osd.pop("pieces", {})
             for idx, st in osd["state"].items():
                 entry = {"tensors": [], "other": {}}
