@@ -443,7 +443,8 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
             with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views(), _unpacked_as_run(step):
                 scheduler = build_scheduler(cfg.optim, optimizer, 2)
                 run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
-                               device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device))
+                               device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device),
+                               clip_grad_norm=cfg.train.clip_grad_norm)
                 par.model.train()
                 grads: set[int] = set()
                 hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.update(tracker.follow(p.grad)))
@@ -541,6 +542,7 @@ class _StepRun:
     model: Any
     scheduler: Any
     meter: Any
+    clip_grad_norm: float | None
 
 
 def _roles(tracker: Any, par: Any, optimizer: Any, precision: Any, step: Any, grads: set[int]) -> dict[str, set[int]]:

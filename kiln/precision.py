@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -319,13 +319,11 @@ class Precision:
         if self.masters is not None:
             self.masters.stepper = optimizer
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast (nothing to enter outside the mixed modes)."""
         if self.autocast_dtype is None:
-            yield
-        else:
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-                yield
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale_loss(loss) if self.scaler else loss).backward()

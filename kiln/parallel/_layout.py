@@ -79,6 +79,8 @@ class Parallel:
     def value(self, loss: torch.Tensor) -> torch.Tensor:
         """A detached plain tensor of a loss (tensor parallelism returns a replicated DTensor)."""
         loss = loss.detach()
+        if type(loss) is torch.Tensor:
+            return loss
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
     def sum_over_dp(self, x: torch.Tensor) -> torch.Tensor:

@@ -75,11 +75,12 @@ class TensorMemory:
         """The next step is measured."""
         return self.enabled and self.steps < STEPS
 
+    def step(self) -> contextlib.AbstractContextManager:
+        """Around a step: measured while :attr:`measuring`, then nothing to enter."""
+        return self._measured() if self.measuring else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        if not self.measuring:
-            yield
-            return
+    def _measured(self) -> Iterator[None]:
         if self.device.type == "cuda":
             if self.steps == 0:
                 torch.cuda.reset_peak_memory_stats(self.device)

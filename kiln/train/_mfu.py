@@ -41,13 +41,13 @@ class Mfu:
         self.flops_per_step: float | None = None
         self.flops_per_sample: float | None = None
 
-    @contextlib.contextmanager
-    def count(self, samples: int) -> Iterator[None]:
+    def count(self, samples: int) -> contextlib.AbstractContextManager:
         """Count the FLOPs of the step run inside, the first time only (``samples``: the step's,
         over all ranks); a collective the first time, when there are several ranks."""
-        if self.flops_per_step is not None:
-            yield
-            return
+        return self._counted(samples) if self.flops_per_step is None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _counted(self, samples: int) -> Iterator[None]:
         with CountFlops() as counted:
             yield
         total = float(counted.total)

@@ -125,6 +125,7 @@ class Run:
     start_step: int
     memory: TensorMemory  # the peak of live tensor bytes over the first steps
     mfu: Mfu  # FLOPs per step (counted on the first) against the devices' peak
+    clip_grad_norm: float | None = None  # train.clip_grad_norm, read once (the step reads no config)
     compile_seconds: float | None = None
     first_step_seconds: float | None = None  # the process's first step, left out of samples/s
     owns_group: bool = False  # setup started the process group: the run ends it
@@ -283,7 +284,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
                    task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                    out=out, progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
                    memory=TensorMemory(device, (par.model, optimizer), enabled=tc.measure_memory), mfu=mfu,
-                   total_steps=total_steps, start_step=start_step)
+                   total_steps=total_steps, start_step=start_step, clip_grad_norm=tc.clip_grad_norm)
     except BaseException as exc:
         out.stopped(exc)
         raise

@@ -159,7 +159,10 @@ def to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """The batch on ``device``, recursively; floating tensors take ``dtype`` (fp64 runs), token
     ids and masks of other dtypes stay as they are."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, dtype=dtype if batch.is_floating_point() else None, non_blocking=True)
+        floating = batch.is_floating_point()
+        if batch.device == device and (batch.dtype == dtype or not floating):
+            return batch  # (a call of .to that does nothing still costs microseconds a step)
+        return batch.to(device, dtype=dtype if floating else None, non_blocking=True)
     if isinstance(batch, Mapping):  # (a BatchEncoding, too) -> a dict, which model(**batch) takes
         return {k: to_device(v, device, dtype) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
@@ -199,11 +202,12 @@ def _aligned(task: Task, batch: Any, logits: torch.Tensor, targets: torch.Tensor
     return logits, targets
 
 
-def scored_items(task: Task, batch: Any) -> int | None:
+def scored_items(task: Task, batch: Any) -> torch.Tensor | None:
     """The positions a micro-batch's mean loss averages over, where that is not its samples:
     the targets a token-level loss scores (neither -100 nor, for a causal LM, the first
-    position); None where the loss is a mean over samples (one label each, float targets,
-    ``train.loss``, no targets)."""
+    position), as a 0-d tensor on the batch's device (counted there: no wait for the device);
+    None where the loss is a mean over samples (one label each, float targets, ``train.loss``,
+    no targets)."""
     if task.loss is not None:
         return None
     targets = targets_of(batch, task.kind)
@@ -211,7 +215,7 @@ def scored_items(task: Task, batch: Any) -> int | None:
         return None
     if _shifted(task, batch):
         targets = targets[:, 1:]
-    return int((targets != IGNORE).sum())
+    return (targets != IGNORE).sum()
 
 
 def loss_parts(task: Task, micro: list[Any], samples: int, dp: int,
@@ -224,12 +228,14 @@ def loss_parts(task: Task, micro: list[Any], samples: int, dp: int,
     when each of K micro-batches holds ``samples / (K x dp)`` samples.
 
     A micro-batch that scores no position has a mean of 0/0 (nan), in kiln as in a plain loop:
-    pad no batch completely."""
+    pad no batch completely. One micro-batch on one rank is the whole step: its part is 1."""
+    if len(micro) == 1 and dp == 1:
+        return [1]
     items = [scored_items(task, b) for b in micro]
-    if any(n is None for n in items):  # (the same on every rank: it depends on the data's form)
+    if not items or any(n is None for n in items):  # (the same on every rank: it depends on the data's form)
         return [samples / (batch_size(b) * dp) for b in micro]
-    total = sum_over_dp(torch.tensor(float(sum(items)), dtype=torch.float64, device=device))
-    return [total / (n * dp) for n in items]
+    total = sum_over_dp(torch.stack(items).sum().to(device, torch.float64))
+    return [total / (n.to(device) * dp) for n in items]
 
 
 def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch.Tensor:

@@ -70,6 +70,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     step, stopped = run.start_step, None  # (no call here: Python checks for signals at calls)
     try:  # at once: a Ctrl-C between setup and the loop is recorded like one in the loop
         tc = cfg.train
+        # plain ints, read once: each lookup in an OmegaConf config takes ~10 us, and the step of
+        # a launch-bound model a few hundred (kiln bench overhead)
+        log_every, eval_every, checkpoint_every = tc.log_every, tc.eval_every, tc.checkpoint_every
+        compiled, keep = tc.compile, tc.keep_checkpoints
         run.model.train()
         for step in range(run.start_step + 1, run.total_steps + 1):
             started = time.perf_counter()
@@ -79,21 +83,21 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 with run.mfu.count(batch.samples):  # the first step's FLOPs
                     loss, grad_norm = train_step(run, batch)
             raise_if_stopped()
-            if step == run.start_step + 1 and (tc.compile or step < run.total_steps):
+            if step == run.start_step + 1 and (compiled or step < run.total_steps):
                 # A process's first step is warm-up, reported apart (speed and the ETA start after
                 # it): the compile, oneDNN's bf16 kernels built for each new shape on a CPU, first
                 # allocations, the FLOP count. A plain loop's per-step time leaves it out too.
                 run.first_step_seconds = time.perf_counter() - started
-                run.compile_seconds = run.first_step_seconds if tc.compile else None
+                run.compile_seconds = run.first_step_seconds if compiled else None
                 run.meter.restart_clock()
                 run.progress.restart_clock(step)
             run.meter.window_loss += loss
             run.meter.window_steps += 1
 
             row: dict[str, Any] = {}
-            if step % tc.log_every == 0 or step == run.total_steps:
+            if step % log_every == 0 or step == run.total_steps:
                 row.update(_train_metrics(run, lr, grad_norm))
-            if (tc.eval_every and step % tc.eval_every == 0) or step == run.total_steps:
+            if (eval_every and step % eval_every == 0) or step == run.total_steps:
                 row.update(_evaluate(run))
                 # after each evaluation, in this order: best checkpoint, then early stopping
                 if run.best is not None:
@@ -107,10 +111,10 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             if stopped:
                 run.progress.message(f"kiln: early stop at step {step}: {stopped['reason']}")
                 break
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < run.total_steps:
+            if checkpoint_every and step % checkpoint_every == 0 and step < run.total_steps:
                 checkpoint(run, f"step-{step:08d}", step)
                 if run.main:
-                    Checkpoints(run.out.path).prune(tc.keep_checkpoints)
+                    Checkpoints(run.out.path).prune(keep)
         return _finish(run, step, stopped)
     except BaseException as exc:
         # Ctrl-C or SIGTERM (Terminated), also wrapped in another error or followed by one
@@ -134,7 +138,7 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     """One optimizer step on this rank; returns the step's mean loss (a detached 0-d tensor,
     not yet averaged over ranks) and the gradient norm before clipping (None without clipping)."""
     precision, par, optimizer, dp = run.precision, run.par, run.optimizer, run.layout.dp
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    loss_sum = None
     # Each micro-batch's mean loss is divided by its part of the step: by its share of the
     # step's samples, or, for a loss over tokens (padding, -100 labels), of the positions the
     # whole step scores over every rank, so that the sum over micro-batches (averaged over dp)
@@ -154,10 +158,12 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
             with par.loss_context():  # (tensor parallel's loss_parallel holds over the backward too)
                 with precision.autocast():  # the forward and the loss; backward runs in the
                     # dtypes the forward saved, outside autocast, as torch.amp prescribes
-                    loss = micro_batch_loss(run.task, run.model, batch) / parts[i]
+                    loss = _divided(micro_batch_loss(run.task, run.model, batch), parts[i])
                 with par.sync_gradients(last=i == len(step.micro) - 1):
                     precision.backward(loss)  # fp16: backward of the scaled loss
-        loss_sum += par.value(loss)
+        value = par.value(loss)
+        # one micro-batch: its loss as it is (kept in fp64 by the meter); several: summed in fp64
+        loss_sum = value if loss_sum is None else loss_sum.double() + value
     # 2. the true, reduced gradients; fp16 unscales after the reduction, so that every rank
     #    sees the same inf and skips the same step
     precision.grads_to_masters()  # bf16-true: bf16 gradients -> fp32 master gradients
@@ -165,13 +171,19 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     precision.unscale(optimizer)  # fp16: gradients / scale, non-finite check over all ranks
     # 3. clip, step, zero
     grad_norm = None
-    if run.cfg.train.clip_grad_norm is not None:  # the norm over every shard, stage and rank
-        grad_norm = par.clip(optimizer, run.cfg.train.clip_grad_norm)
+    if run.clip_grad_norm is not None:  # the norm over every shard, stage and rank
+        grad_norm = par.clip(optimizer, run.clip_grad_norm)
     if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
         run.scheduler.step()
     precision.zero_grad(optimizer)  # kiln's optimizers: one memset of the flat gradient
     run.meter.samples_seen += step.samples
     return loss_sum, grad_norm
+
+
+def _divided(loss: torch.Tensor, part: Any) -> torch.Tensor:
+    """``loss / part``; a part of exactly 1 (one micro-batch of the whole step, as most runs
+    take) divides by nothing, as ``x / 1.0 == x`` bit for bit."""
+    return loss if isinstance(part, (int, float)) and part == 1 else loss / part
 
 
 def _train_metrics(run: Run, lr: float, grad_norm: torch.Tensor | None) -> dict[str, Any]:
