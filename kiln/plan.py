@@ -49,14 +49,12 @@ def _state_tensors(optim_cfg: Any) -> int:
 def _data_line(dc: Any) -> str:
     """A registered data set and its arguments, or the config's data._target_ and its own."""
     if "_target_" in dc:
-        from dataclasses import fields
-
         from kiln.config import DataConfig
 
-        loader = {f.name for f in fields(DataConfig)}
-        args = {k: v for k, v in dc.items() if k not in loader and k != "_target_"}
+        args = {k: v for k, v in dc.items() if k not in DataConfig.loader_keys() and k != "_target_"}
         return f"{dc._target_}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-    return f"{dc.name} {dict(dc.args) or ''}".rstrip()
+    files = "".join(f" {key}={dc[key]}" for key in ("path", "val_path") if dc.get(key) is not None)
+    return f"{dc.name}{files} {dict(dc.args) or ''}".rstrip()
 
 
 def _mb(n_bytes: float) -> str:

@@ -308,7 +308,8 @@ def test_import_is_light(fresh_python):
     assert kiln.models.create_model is create_model
 
 
-@pytest.mark.parametrize("config, count", [("gpt2_medium.py", 354_823_168), ("bert_large.py", 335_174_458)])
+@pytest.mark.parametrize("config, count", [("gpt2_small.py", 124_475_904), ("gpt2_medium.py", 354_823_168),
+                                           ("bert_large.py", 335_174_458)])
 def test_published_sizes_by_config(config, count):
     """The bundled configs of the published sizes build models with the published parameter
     counts (on the meta device: shapes only, no memory)."""

@@ -359,8 +359,14 @@ def _validate_model(node: Any) -> dict[str, Any]:
     return _validate_node(node, "model")
 
 
-def _validate_data(values: dict[str, Any]) -> dict[str, Any]:
-    from kiln.data import dataset_signature, list_datasets
+_FILE_KEYS = ("path", "val_path")  # data's keys naming the files of a data set that reads them
+
+
+def _validate_data(values: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """A registered data set (data.name), its arguments and files, checked against the builder's
+    signature and by the data set's own check (kiln.data.check_dataset), which may fill
+    arguments in from the model (``model``: the validated model node)."""
+    from kiln.data import check_dataset, dataset_signature, list_datasets
 
     name = values["name"]
     if name not in list_datasets():
@@ -368,7 +374,23 @@ def _validate_data(values: dict[str, Any]) -> dict[str, Any]:
     if "seed" in values["args"]:
         raise ConfigError("data.args.seed is passed by kiln (it is train.seed); remove data.args.seed and set "
                           "train.seed")
-    _check_signature(values["args"], dataset_signature(name), "data.args", skip=("seed",))
+    params = dataset_signature(name).parameters
+    for key in _FILE_KEYS:
+        if key in values["args"]:
+            raise ConfigError(f"data.args.{key}: a file is named by data.{key}, a key of data itself; "
+                              f"set data.{key}={values['args'][key]} instead")
+        if values[key] is not None and key not in params:
+            readers = [n for n in list_datasets() if key in dataset_signature(n).parameters]
+            raise ConfigError(f"data.{key}={values[key]} names a file, and data.name={name} reads none (data sets "
+                              f"that do: {', '.join(readers)}); remove data.{key}, or set data.name to one of them")
+        if values[key] is not None:
+            # absolute, so that config.yaml reruns and resumes from any working directory
+            values[key] = os.path.abspath(os.path.expanduser(values[key]))
+    _check_signature(values["args"], dataset_signature(name), "data.args", skip=("seed", *_FILE_KEYS))
+    # what a kiln model declares of its sizes, for data sets that follow the model (tokens)
+    sizes = {k: model[k] for k in ("vocab_size", "seq_len") if "name" in model and k in model}
+    values["args"] = check_dataset(name, values["args"], path=values["path"], val_path=values["val_path"],
+                                   model=sizes)
     return values
 
 
@@ -378,7 +400,7 @@ def _validate_data_target(given: dict[str, Any]) -> dict[str, Any]:
     ``{"_target_", **target kwargs, **loader keys}`` (no name, no args)."""
     from kiln.config._schema import DataConfig
 
-    loader_keys = tuple(f.name for f in dataclasses.fields(DataConfig) if f.name not in ("name", "args"))
+    loader_keys = DataConfig.loader_keys()
     for key in ("name", "args"):
         if key in given:
             raise ConfigError(f"data.{key} is set together with data._target_: a data._target_ replaces "
@@ -592,7 +614,7 @@ def validate(tree: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = coerce_dataclass(given, cls, name)
     if "_target_" not in out["data"]:
-        _validate_data(out["data"])
+        _validate_data(out["data"], out["model"])
     out["data"]["collate_fn"] = _validate_callable(out["data"]["collate_fn"], "data.collate_fn", ("samples",))
     out["train"]["loss"] = _validate_callable(out["train"]["loss"], "train.loss", ("outputs", "batch"))
     out["train"]["metrics"] = _validate_metrics(out["train"]["metrics"])

@@ -9,7 +9,7 @@ a comment, so that validation can reject unknown keys and wrong types before any
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Union
 
 
@@ -17,6 +17,11 @@ from typing import Any, Literal, Optional, Union
 class DataConfig:
     name: str = "digits"  # dataset from the registry: kiln.data.list_datasets()
     args: dict = field(default_factory=dict)  # keyword arguments of that dataset's builder
+    # the file a data set reads (tokens: nanoGPT's train.bin, a flat array of uint16 or uint32
+    # token ids); None: tokens generates its stream. Only for a data set that reads a file.
+    path: Optional[str] = None
+    # its validation file (tokens: nanoGPT's val.bin); None: tokens holds out the end of data.path
+    val_path: Optional[str] = None
     batch_size: int = 64  # GLOBAL samples per optimizer step, whatever the layout
     eval_batch_size: int = 512  # samples per evaluation batch (no gradients, so larger)
     workers: Union[int, Literal["auto"]] = 0  # loader processes; auto: usable CPUs per local rank
@@ -33,6 +38,13 @@ class DataConfig:
     # *ForConditionalGeneration, *ForSequenceClassification), else the registered data set's own,
     # else the first batch (one target per sample is classification, one per token lm)
     task: Optional[Literal["classification", "lm", "mlm", "seq2seq"]] = None
+
+    @classmethod
+    def loader_keys(cls) -> tuple[str, ...]:
+        """The keys that configure the loader, whatever makes the data. The others choose a
+        registered data set (name, args) and its files (path, val_path); with a data._target_
+        those are refused (name, args) or are the target's own arguments (path, val_path)."""
+        return tuple(f.name for f in fields(cls) if f.name not in ("name", "args", "path", "val_path"))
 
 
 @dataclass

@@ -8,15 +8,17 @@
     (torch.Size([32, 1, 8, 8]), torch.Size([32]))
 """
 
-from kiln.data._datasets import DataSplits, build_dataset, dataset_signature, list_datasets, register_dataset
+from kiln.data._datasets import (DataSplits, build_dataset, check_dataset, dataset_signature, list_datasets,
+                                 register_dataset)
 from kiln.data._loader import StepSampler, build_loader, infinite, resolve_workers, shard_iterable, worker_seed
 
-# Imported for its @register_dataset side effect.
-from kiln.data import _text  # noqa: F401  isort: skip
+# Imported for their @register_dataset side effect.
+from kiln.data import _text, _tokens  # noqa: F401  isort: skip
 
 __all__ = [
     "DataSplits",
     "build_dataset",
+    "check_dataset",
     "dataset_signature",
     "list_datasets",
     "register_dataset",

@@ -10,6 +10,10 @@ A dataset is a builder ``builder(seed: int, **kwargs) -> DataSplits`` registered
 
 ``seed`` is the training seed; anything random about a dataset that must not change
 between training runs (such as the digits train/val split) takes its own argument.
+
+A data set that reads files takes ``path`` (and ``val_path``): a config names them by the
+top-level keys ``data.path`` and ``data.val_path``. A data set may register a ``check`` that
+the config runs before anything is built (:func:`check_dataset`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-__all__ = ["DataSplits", "register_dataset", "build_dataset", "list_datasets", "dataset_signature"]
+__all__ = ["DataSplits", "register_dataset", "build_dataset", "check_dataset", "list_datasets", "dataset_signature"]
 
 _TASKS = ("classification", "lm", "mlm", "seq2seq")
 
@@ -46,6 +50,7 @@ class DataSplits:
 
 _Builder = TypeVar("_Builder", bound=Callable[..., DataSplits])
 _DATASETS: dict[str, Callable[..., DataSplits]] = {}
+_CHECKS: dict[str, Callable[..., dict[str, Any]]] = {}
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -53,8 +58,12 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else "."
 
 
-def register_dataset(name: str) -> Callable[[_Builder], _Builder]:
-    """Register ``builder(seed, **kwargs) -> DataSplits`` under ``name``; returns the builder unchanged."""
+def register_dataset(name: str, *, check: Callable[..., dict[str, Any]] | None = None) -> Callable[[_Builder], _Builder]:
+    """Register ``builder(seed, **kwargs) -> DataSplits`` under ``name``; returns the builder unchanged.
+
+    ``check(args, *, path, val_path, model) -> args``: run by :func:`check_dataset` when a
+    config is loaded, before anything is built; see there.
+    """
 
     def decorator(builder: _Builder) -> _Builder:
         if name in _DATASETS:
@@ -62,6 +71,8 @@ def register_dataset(name: str) -> Callable[[_Builder], _Builder]:
         if "seed" not in inspect.signature(builder).parameters:
             raise TypeError(f"register_dataset({name!r}): the builder must take a 'seed' argument")
         _DATASETS[name] = builder
+        if check is not None:
+            _CHECKS[name] = check
         return builder
 
     return decorator
@@ -87,6 +98,19 @@ def dataset_signature(name: str) -> inspect.Signature:
     # eval_str: this module uses postponed annotations; callers want real types, not strings.
     sig = inspect.signature(_lookup(name), eval_str=True)
     return sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "seed"])
+
+
+def check_dataset(name: str, args: dict[str, Any], *, path: str | None = None, val_path: str | None = None,
+                  model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The builder arguments ``args`` of data set ``name``, checked by the data set's own
+    ``check`` and completed from the model: ``model`` holds the sizes a kiln model declares
+    (``vocab_size``, ``seq_len``; empty for a model kiln did not build from its registry).
+    ``path``/``val_path``: the files a config names. Without a registered check, ``args`` as
+    given. Raises :class:`kiln.errors.ConfigError` naming the key."""
+    check = _CHECKS.get(name)
+    if check is None:
+        return dict(args)
+    return check(dict(args), path=path, val_path=val_path, model=dict(model or {}))
 
 
 def build_dataset(name: str, seed: int = 0, **kwargs: Any) -> DataSplits:

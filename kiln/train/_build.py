@@ -134,16 +134,15 @@ def _data_splits(data_cfg: Any, seed: int) -> tuple[Any, Any, str | None]:
     from kiln.train._tasks import infer_kind
 
     if "_target_" not in data_cfg:
-        splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args))
+        files = {key: data_cfg[key] for key in ("path", "val_path") if data_cfg.get(key) is not None}
+        splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args), **files)
         return splits.train, splits.val, data_cfg.task or splits.task
     import inspect
-    from dataclasses import fields
 
     from kiln.config import DataConfig, instantiate, locate
     from kiln.errors import ConfigError
 
-    loader_keys = {f.name for f in fields(DataConfig)}
-    node = {k: v for k, v in dict(data_cfg).items() if k not in loader_keys}
+    node = {k: v for k, v in dict(data_cfg).items() if k not in DataConfig.loader_keys()}
     target = data_cfg["_target_"]
     fn = locate(target)
     try:
