@@ -70,6 +70,7 @@ def _size(quick: bool, device: str) -> dict[str, Any]:
 
 def _overrides(size: dict[str, Any], device: str, out: str) -> list[str]:
     return [*size["model"], f"data.batch_size={size['batch']}", f"data.args.seq_len={size['seq']}",
+            f"data.eval_batch_size={size['batch']}", f"data.args.val_samples={size['batch']}",  # (a final eval of one batch)
             f"train.max_steps={size['steps']}", f"train.log_every={size['window']}", "train.eval_every=0",
             "train.progress=none", f"train.device={device}", f"train.output_dir={out}"]
 
