@@ -74,8 +74,9 @@ def _precision_lines(tc: Any) -> list[str]:
     if tc.precision == "auto":
         why = "bf16 is native here" if mode == "bf16-mixed" else "bf16 would be emulated here"
         return lines + [f"precision   auto: {mode} on {device.type} ({why})"]
-    note = emulation_note(mode, device)
-    return lines + [f"precision   {mode} on {device.type}" + (f" (warning: {note})" if note else "")]
+    # the note itself is the run's warning (kiln: warning: ...), said once: not again here
+    emulated = " (emulated here: slower than fp32)" if emulation_note(mode, device) is not None else ""
+    return lines + [f"precision   {mode} on {device.type}{emulated}"]
 
 
 def describe(cfg: Any, world: int | None = None, planned: "Plan | None" = None) -> str:
@@ -259,7 +260,7 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
 
     import torch.distributed as dist
 
-    from kiln.errors import ConfigError
+    from kiln.errors import ConfigError, KilnWarning
     from kiln.parallel import check_parallel_config
 
     started = time.perf_counter()
@@ -289,7 +290,7 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
                 traced[rank] = _trace_rank(cfg, layout, rank, device, mailbox)
             except _NeedsShapes:
                 deferred.append(rank)
-            except ConfigError:
+            except (ConfigError, KilnWarning):  # (a warning a filter made an error: -W error)
                 raise
             except Exception as exc:  # noqa: BLE001  (what the run would raise, in one line)
                 raise _trace_error(exc, rank, layout) from exc

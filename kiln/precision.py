@@ -48,12 +48,13 @@ from typing import Any
 import torch
 
 from kiln import hardware
+from kiln.errors import KilnWarning
 
 MODES = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64")
 _LOW = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-class PrecisionWarning(UserWarning):
+class PrecisionWarning(KilnWarning):
     """An explicit bf16/fp16 mode on a device that emulates it: training runs, several times slower."""
 
 

@@ -217,3 +217,77 @@ def test_quota_exceeded_at_the_first_save_says_to_start_again(tmp_path, capsys, 
     assert f"disk quota exceeded while writing {run}/checkpoints/step-00000004" in err
     assert "no checkpoint to resume from" in err and f"kiln train {run}/config.yaml" in err
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+# ------------------------------------------------------------------------------- warnings
+
+
+def _stderr_of_plan(fresh_python, filters: str = "") -> list[str]:
+    """The stderr lines of ``kiln plan`` of a run in bf16-mixed on a CPU that emulates bf16 (which
+    warns), in an interpreter of its own (pytest records the warnings of its own process instead
+    of showing them), after ``filters`` (Python, as ``-W`` would set them); then ``exit N``."""
+    code = f"""
+import os, sys, warnings
+os.environ["KILN_BF16"] = "emulated"
+os.dup2(1, 2)  # stderr to what the test reads; the plan's table to nowhere
+sys.stdout = open(os.devnull, "w")
+{filters}
+from kiln.cli import main
+code = main(["plan", {MLP!r}, "train.precision=bf16-mixed"])
+sys.stderr.write(f"exit {{code}}\\n")
+sys.stderr.flush()
+"""
+    return fresh_python(code).splitlines()
+
+
+NOTE = ("train.precision=bf16-mixed: bf16 is emulated on this CPU (AMD EPYC, AVX2): expect training several times "
+        "slower than fp32; use train.precision=auto (fp32 here)")
+
+
+@pytest.mark.e2e  # kiln plan in an interpreter of its own: seconds of imports
+def test_a_kiln_warning_is_one_line_said_once_without_a_source_line(fresh_python):
+    import kiln.hardware
+
+    lines = _stderr_of_plan(fresh_python)
+    note = NOTE.replace("AMD EPYC", kiln.hardware.cpu_model())
+    # not Python's "kiln/plan.py:421: PrecisionWarning: ..." and then the line of source
+    assert lines == [f"kiln: warning: {note}", "exit 0"], lines
+
+
+@pytest.mark.e2e
+def test_a_kiln_warning_a_filter_makes_an_error_is_one_error_line(fresh_python):
+    # as -W error::UserWarning would: the warning raised, and said as kiln's errors are
+    lines = _stderr_of_plan(fresh_python, 'warnings.simplefilter("error", UserWarning)')
+    assert len(lines) == 2 and lines[0].startswith("kiln: error: train.precision=bf16-mixed: bf16 is emulated")
+    assert lines[1] == "exit 2"
+
+
+def test_kiln_warnings_show_on_rank_0_once_and_filters_still_hold(monkeypatch, capsys):
+    import warnings
+
+    import kiln.errors
+    from kiln.errors import SHOWN_WARNINGS_ENV, KilnWarning, one_line_warnings, shown_warnings
+
+    def shown(rank: str, launcher_said: str = "[]", action: str = "always") -> str:
+        monkeypatch.setattr(kiln.errors, "_shown", set())  # a process of its own
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv(SHOWN_WARNINGS_ENV, launcher_said)
+        with warnings.catch_warnings(), one_line_warnings():
+            warnings.simplefilter(action)
+            # as Python shows a warning outside pytest, which records them instead
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+                sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+            for text in ("first", "second", "first"):
+                warnings.warn(text, KilnWarning)
+            warnings.warn("plain", UserWarning)  # not kiln's: Python's format, as ever
+        return capsys.readouterr().err
+
+    err = shown("0")
+    assert err.splitlines()[:2] == ["kiln: warning: first", "kiln: warning: second"]
+    assert "UserWarning: plain" in err and err.count("kiln: warning:") == 2
+    assert json.loads(shown_warnings()) == ["first", "second"]
+    assert "kiln: warning:" not in shown("1")
+    assert shown("0", launcher_said='["first"]').count("kiln: warning:") == 1
+    assert shown("0", action="ignore") == ""  # -W ignore
+    with pytest.raises(KilnWarning, match="first"):  # -W error
+        shown("0", action="error")

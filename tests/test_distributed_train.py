@@ -4,8 +4,10 @@ checkpoint resumes under another number of processes and ZeRO stage."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -107,7 +109,10 @@ def test_batch_not_divisible_by_the_processes_is_refused_before_training(tmp_pat
     assert "data.batch_size=63" in out.stderr and "parallel.dp=2" in out.stderr
 
 
-def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[KilnProcess, Path]:
+def _start_and_kill_a_rank(tmp_path: Path, *extra: str, rank: int = 1,
+                           sig: signal.Signals = signal.SIGKILL) -> tuple[KilnProcess, Path, dict[int, int]]:
+    """``kiln train --nproc 2`` with signal ``sig`` sent to rank ``rank`` once step 40's checkpoint
+    is written; returns the launcher, the run directory and the ranks' pids."""
     proc = KilnProcess(["train", MLP, "--nproc", "2", "train.max_steps=3000", "train.checkpoint_every=20",
                         "train.log_every=20", "train.eval_every=0", "parallel.timeout_s=60",
                         f"train.output_dir={tmp_path}", *extra])  # the later of two overrides wins
@@ -118,23 +123,64 @@ def _start_and_kill_a_rank(tmp_path: Path, *extra: str) -> tuple[KilnProcess, Pa
         time.sleep(0.05)
     workers = ranks_of(proc.pid)
     assert sorted(workers) == [0, 1], workers
-    os.kill(workers[1], signal.SIGKILL)
-    return proc, _only_run(tmp_path)
+    os.kill(workers[rank], sig)
+    return proc, _only_run(tmp_path), workers
+
+
+def _error_line(err: str) -> str:
+    (line,) = [line for line in err.splitlines() if line.startswith("kiln: error: ")]
+    return line
 
 
 def test_a_killed_rank_ends_the_run_with_a_clear_error_not_a_hang(tmp_path):
-    proc, run = _start_and_kill_a_rank(tmp_path)
+    proc, run, _ = _start_and_kill_a_rank(tmp_path)
     start = time.monotonic()
     out, err = proc.communicate(timeout=120)
     assert time.monotonic() - start < 60  # bounded: torchrun's agent stops the survivors
     assert proc.returncode == 1
     assert "training failed" in err and f"kiln train --resume {run}" in err
-    assert json.loads((run / "summary.json").read_text())["status"] != "completed"
+    # the rank that died is named first, whichever rank torchrun saw end first (rank 0, whose
+    # collective broke on the dead connection, as often as not)
+    assert _error_line(err).startswith("kiln: error: training failed (rank 1: killed"), err[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("training failed (rank 1: killed")
     assert list((run / "checkpoints").glob("step-*"))  # nothing lost
 
 
+def test_a_stopped_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path):
+    # rank 1 stops (SIGSTOP: it holds its connections, and answers nothing); rank 0's next
+    # collective times out after parallel.timeout_s and rank 0 fails, naming only what it saw
+    proc, run, workers = _start_and_kill_a_rank(tmp_path, "parallel.timeout_s=6", sig=signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while _alive(workers[0]):  # rank 0 fails, then torchrun's agent waits 30 s for the stopped rank's
+        assert time.monotonic() < deadline  # SIGTERM, in vain: kill -9 it once the agent has seen rank 0 end
+        time.sleep(0.1)
+    time.sleep(1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(workers[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    line = _error_line(err)
+    assert line.startswith("kiln: error: training failed (rank 1: stopped answering in step "), err[-2000:]
+    silent = int(re.search(r"no sign of life for (\d+) s when rank 0 failed; rank 0: RuntimeError: ", line)[1])
+    assert 5 <= silent <= 12  # parallel.timeout_s=6, and whole seconds
+    assert re.search(r"rank 1: stopped answering in step \d+ \(pid %d on .+, cpu\)" % workers[1], line)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and line.startswith(f"kiln: error: {summary['error']}. {run} keeps")
+    assert list((run / "checkpoints").glob("step-*"))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (or is stopped), not a zombie or gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def test_the_elastic_agent_restarts_the_group_and_training_resumes(tmp_path):
-    proc, run = _start_and_kill_a_rank(tmp_path, "--max-restarts", "1", "train.max_steps=400")
+    proc, run, _ = _start_and_kill_a_rank(tmp_path, "--max-restarts", "1", "train.max_steps=400")
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-2000:]
     summary = json.loads((run / "summary.json").read_text())

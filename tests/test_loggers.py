@@ -214,7 +214,12 @@ class _Flaky:
     """A logger whose log() raises from its second call on."""
 
     name = "tensorboard"
+    module = "json"  # (imports)
     instances: list["_Flaky"] = []
+
+    @staticmethod
+    def check():
+        return None
 
     def __init__(self, run_dir, config, saved):
         self.calls, self.closed = 0, None
@@ -235,6 +240,10 @@ class _Flaky:
         self.closed = status
 
 
+FAILED_MID_RUN = ("the tensorboard logger failed (log): ConnectionError: tracking server went away; training goes on "
+                  "without it (metrics.csv keeps every row)")
+
+
 def test_a_logger_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     monkeypatch.setitem(_loggers.LOGGERS, "tensorboard", _Flaky)
     _Flaky.instances.clear()
@@ -242,22 +251,136 @@ def test_a_logger_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, m
         warnings.simplefilter("always")
         run = _train(tmp_path, "train.loggers=[csv,tensorboard]")
     said = [str(w.message) for w in caught if issubclass(w.category, _loggers.LoggerWarning)]
-    assert said == ["kiln: the tensorboard logger failed (log): ConnectionError: tracking server went away; "
-                    "training goes on without it (metrics.csv keeps every row)"]
+    assert said == [FAILED_MID_RUN]
     (flaky,) = _Flaky.instances
     assert flaky.calls == 2 and flaky.closed == "failed"  # closed once dropped, never called again
     assert _summary(run)["status"] == "completed" and sorted(_csv(run)) == [2, 3, 4, 6]
 
 
-def test_a_logger_that_cannot_start_warns_and_training_goes_on(tmp_path, monkeypatch):
+def test_a_logger_that_fails_mid_run_is_one_kiln_warning_line(tmp_path, monkeypatch, capsys):
+    import sys
+
+    import kiln.errors
+
+    monkeypatch.setitem(_loggers.LOGGERS, "tensorboard", _Flaky)
+    monkeypatch.setattr(kiln.errors, "_shown", set())  # (what this process showed before)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # Python's own default
+        # shown as Python shows a warning outside pytest, which records them instead
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+            sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+        _train(tmp_path, "train.loggers=[csv,tensorboard]")
+    err = capsys.readouterr().err.splitlines()
+    # not "kiln/train/_loggers.py:301: LoggerWarning: ..." and then the line of source
+    assert [line for line in err if "warn" in line.lower() or "logger" in line] == [f"kiln: warning: {FAILED_MID_RUN}"]
+
+
+def test_a_logger_that_cannot_start_stops_the_run_with_one_line(tmp_path, monkeypatch, capsys):
+    """What the check before the run cannot foresee (a key the server refuses) stops the run
+    when the logger starts: exit status 2, one line, and the run directory marked failed."""
     class Refusing(_Flaky):
         def __init__(self, *args):
-            raise PermissionError("api_key not configured (no-tty)")
+            raise PermissionError("api key refused")
 
     monkeypatch.setitem(_loggers.LOGGERS, "tensorboard", Refusing)
-    with pytest.warns(_loggers.LoggerWarning, match=r"tensorboard logger could not start: PermissionError: api_key"):
-        run = _train(tmp_path, "train.loggers=[csv,tensorboard]")
-    assert _summary(run)["status"] == "completed" and not (run / "loggers.json").exists()
+    capsys.readouterr()
+    assert main(["train", MLP, f"train.output_dir={tmp_path}", *SHORT, "train.loggers=[csv,tensorboard]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kiln: error: train.loggers includes tensorboard, but it could not start (PermissionError: api key "
+                   "refused); fix that, or remove tensorboard from train.loggers")
+    (run,) = tmp_path.iterdir()
+    assert _summary(run)["status"] == "failed" and not (run / "metrics.csv").read_text().count("\n") > 1
+
+
+def _refused(capsys, tmp_path: Path, name: str) -> str:
+    """``kiln train`` with logger ``name``: exit status 2, one line, and nothing built."""
+    capsys.readouterr()
+    assert main(["train", MLP, f"train.output_dir={tmp_path / 'runs'}", *SHORT, f"train.loggers=[csv,{name}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"kiln: error: train.loggers includes {name}, but "), err
+    assert not (tmp_path / "runs").exists()
+    return err
+
+
+@pytest.fixture
+def no_wandb_key(tmp_path, monkeypatch):
+    """An environment where W&B finds no API key and no setting (not the machine's own)."""
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "netrc").write_text("machine example.com login me password secret\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+
+
+def test_wandb_without_an_api_key_is_refused_before_anything_is_built(tmp_path, capsys, no_wandb_key):
+    pytest.importorskip("wandb")
+    err = _refused(capsys, tmp_path, "wandb")
+    assert "no W&B API key is configured here: run `wandb login` (or set WANDB_API_KEY), or log offline with " \
+           "WANDB_MODE=offline; or remove wandb from train.loggers" in err
+
+
+def test_wandb_finds_a_key_where_wandb_does(tmp_path, monkeypatch, no_wandb_key):
+    pytest.importorskip("wandb")
+    assert _loggers.WandbLogger.check() is not None
+    for var, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)):
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            assert _loggers.WandbLogger.check() is None, var
+    (tmp_path / "wandb-config").mkdir()
+    (tmp_path / "wandb-config" / "settings").write_text("[default]\nmode = offline\n")  # `wandb offline`
+    assert _loggers.WandbLogger.check() is None
+    (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
+    assert _loggers.WandbLogger.check() is not None
+    (tmp_path / "netrc").write_text("machine wandb.example.org login user password KEY\n")  # `wandb login`
+    assert _loggers.WandbLogger.check() is None
+
+
+def test_mlflow_whose_tracking_server_does_not_answer_is_refused_before_anything_is_built(tmp_path, capsys,
+                                                                                         monkeypatch):
+    pytest.importorskip("mlflow")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    err = _refused(capsys, tmp_path, "mlflow")
+    assert f"its tracking server http://127.0.0.1:{port} does not answer (" in err
+    assert "start it, or set MLFLOW_TRACKING_URI to one that runs, or to a local folder (file:./mlruns)" in err
+
+
+@pytest.mark.parametrize("name, module", [("wandb", "wandb"), ("mlflow", "mlflow"),
+                                          ("tensorboard", "torch.utils.tensorboard")])
+def test_a_logger_whose_package_is_absent_or_broken_is_refused_before_anything_is_built(tmp_path, capsys,
+                                                                                         monkeypatch, name, module):
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    with monkeypatch.context() as m:  # absent: the import finds nothing
+        m.setitem(sys.modules, name, None)
+        assert f"the {name} package is not installed; pip install 'kiln[{name}]'" in _refused(capsys, tmp_path, name)
+
+    class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        """Installed, but its import fails (a dependency of the wrong version, say)."""
+
+        def find_spec(self, fullname, path, target=None):
+            return importlib.util.spec_from_loader(fullname, self) if fullname == module else None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, mod):
+            raise ImportError("cannot import name 'x' from 'protobuf'")
+
+    for loaded in [k for k in sys.modules if k == module or k.startswith(module + ".")]:
+        monkeypatch.delitem(sys.modules, loaded)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    err = _refused(capsys, tmp_path, name)
+    assert (f"but {module} does not import (ImportError: cannot import name 'x' from 'protobuf'); reinstall it with "
+            f"pip install 'kiln[{name}]'; or remove {name} from train.loggers") in err
 
 
 def test_an_unknown_logger_is_refused_at_config_load_naming_the_valid_ones(tmp_path, capsys):

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from kiln.errors import KilnWarning
+
 log = logging.getLogger(__name__)
 
 _CTYPES = {torch.float32: "float", torch.float64: "double"}
@@ -240,5 +242,5 @@ def _build(name: str, ctype: str) -> Callable | None:
         warnings.warn(f"kiln.optim: could not build the native {name} kernel for CPU "
                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the "
                       "torch.compile / eager kernels instead (slower). A C++ compiler on PATH (as "
-                      "torch.compile needs) fixes this.", stacklevel=4)
+                      "torch.compile needs) fixes this.", KilnWarning, stacklevel=4)
         return None

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from kiln.errors import KilnWarning
 from kiln.optim._arena import Arena, ArenaSlice
 
 __all__ = ["FlatRange", "Pack", "Packing", "as_real", "is_dtensor", "step_runs"]
@@ -380,7 +381,7 @@ class Packing:
                     "parameters were replaced after the optimizer was built (model.load_state_dict(..., "
                     "assign=True), to_empty(), re-created modules), so the optimizer holds the old ones "
                     "and trains nothing: build the optimizer after loading, or load without assign=True "
-                    "(it copies into the arena). Shown once per optimizer.", stacklevel=6)
+                    "(it copies into the arena). Shown once per optimizer.", KilnWarning, stacklevel=6)
 
     def _intact(self, grads: bool) -> bool:
         """The O(1) part of :meth:`sync`: per arena one storage use count (and, where there

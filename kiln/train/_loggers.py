@@ -1,15 +1,19 @@
 """The loggers ``train.loggers`` names besides ``csv`` (``RUN_DIR/metrics.csv``, always written):
 ``tensorboard``, ``wandb`` (Weights & Biases) and ``mlflow``.
 
-Rank 0 alone logs. Each logger's package is imported only when the logger is named (and
-kiln.config refuses a named logger whose package is not installed, before anything is built).
-:class:`Loggers` calls each, in this order: at the start, the config; after each row of
-metrics.csv, that row's numbers (:meth:`Loggers.log`); at the end, summary.json
+Rank 0 alone logs. Each logger's package is imported only when the logger is named. A named
+logger that cannot start stops the run before anything is built, with one line naming the fix
+(``ConfigError``, exit status 2): kiln.config refuses one whose package is not installed, and
+:func:`check_loggers` one whose package does not import, W&B without an API key (unless it logs
+offline), MLflow whose tracking server does not answer. One that fails to start all the same
+stops the run there. :class:`Loggers` calls each, in this order: at the start, the config; after
+each row of metrics.csv, that row's numbers (:meth:`Loggers.log`); at the end, summary.json
 (:meth:`Loggers.summary`), then :meth:`Loggers.close` with how the run ended.
 
-A logger that raises (a tracking server gone, a full disk) is dropped with one warning and the
-run goes on: metrics.csv still holds every row. What a resumed run needs to continue the same
-logged run (W&B's run id, MLflow's run id and tracking URI) is kept in ``RUN_DIR/loggers.json``.
+A logger that raises once the run is under way (a tracking server gone, a full disk) is dropped
+with one warning and the run goes on: metrics.csv still holds every row. What a resumed run
+needs to continue the same logged run (W&B's run id, MLflow's run id and tracking URI) is kept
+in ``RUN_DIR/loggers.json``.
 
 Where they write: TensorBoard to ``RUN_DIR/tensorboard/``; W&B to ``RUN_DIR/wandb/`` and its
 project (``WANDB_PROJECT``, else ``kiln``; ``WANDB_MODE=offline`` keeps it on disk); MLflow to
@@ -19,21 +23,28 @@ project (``WANDB_PROJECT``, else ``kiln``; ``WANDB_MODE=offline`` keeps it on di
 
 from __future__ import annotations
 
+import configparser
+import importlib
 import json
+import netrc
 import os
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import ConfigError, KilnWarning
 from kiln.train._run_dir import CONFIG
 
-__all__ = ["LOGGERS_FILE", "LoggerWarning", "Loggers"]
+__all__ = ["LOGGERS_FILE", "LoggerWarning", "Loggers", "check_loggers"]
 
 LOGGERS_FILE = "loggers.json"
 
 
-class LoggerWarning(UserWarning):
+class LoggerWarning(KilnWarning):
     """A logger failed; the run goes on without it."""
 
 
@@ -59,6 +70,11 @@ class TensorBoardLogger:
     summary as text. A resumed run appends to the same directory."""
 
     name = "tensorboard"
+    module = "torch.utils.tensorboard"  # (imports the tensorboard package)
+
+    @staticmethod
+    def check() -> str | None:
+        return None  # it writes files: importing it is all it needs
 
     def __init__(self, run_dir: Path, config: dict[str, Any], saved: dict[str, Any] | None):
         from torch.utils.tensorboard import SummaryWriter  # imported only when asked for
@@ -92,6 +108,19 @@ class WandbLogger:
     """A Weights & Biases run: the config, each row at its step, the summary; resumed by id."""
 
     name = "wandb"
+    module = "wandb"
+
+    @staticmethod
+    def check() -> str | None:
+        """No API key where W&B looks for one (WANDB_API_KEY, ``wandb login``'s netrc entry), and
+        not logging offline: ``wandb.init`` would fail, or wait at a prompt."""
+        settings = _wandb_settings()
+        mode = os.environ.get("WANDB_MODE") or settings.get("mode", "")
+        if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY") \
+                or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(_wandb_host(settings)):
+            return None
+        return ("no W&B API key is configured here: run `wandb login` (or set WANDB_API_KEY), or log offline "
+                "with WANDB_MODE=offline")
 
     def __init__(self, run_dir: Path, config: dict[str, Any], saved: dict[str, Any] | None):
         import wandb  # imported only when asked for
@@ -116,13 +145,67 @@ class WandbLogger:
         self.run.finish(exit_code=0 if status == "completed" else 1)
 
 
+def _wandb_settings() -> dict[str, str]:
+    """W&B's settings files' ``[default]`` keys (``wandb offline`` and ``wandb login --host``
+    write them): the user's, then the working directory's, which wins."""
+    config_dir = os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb")
+    parser = configparser.ConfigParser()
+    try:
+        parser.read([os.path.join(config_dir, "settings"), os.path.join(os.environ.get("WANDB_DIR", "."),
+                                                                         "wandb", "settings")])
+    except configparser.Error:
+        return {}
+    return dict(parser["default"]) if parser.has_section("default") else {}
+
+
+def _wandb_host(settings: dict[str, str]) -> str:
+    """The host of the W&B server this wandb logs to: WANDB_BASE_URL, the settings', or its default."""
+    url = os.environ.get("WANDB_BASE_URL") or settings.get("base_url")
+    if not url:
+        try:  # (wandb 0.2x: api.wandb.ai; later ones name their own)
+            url = importlib.import_module("wandb.sdk.lib.urls").DEFAULT_BASE_URL
+        except (ImportError, AttributeError):
+            url = "https://api.wandb.ai"
+    return urllib.parse.urlparse(url).hostname or url
+
+
+def _netrc_has(host: str) -> bool:
+    """Whether the netrc file (NETRC, else ~/.netrc: where ``wandb login`` keeps the key) has ``host``."""
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 class MlflowLogger:
     """An MLflow run: the config as parameters (dotted keys) and config.yaml as an artifact,
     each row's metrics at its step, summary.json as an artifact; resumed by run id."""
 
     name = "mlflow"
+    module = "mlflow"
     # how kiln's run statuses end an MLflow run
     STATUS = {"completed": "FINISHED", "interrupted": "KILLED"}
+
+    @staticmethod
+    def check(timeout_s: float = 5.0) -> str | None:
+        """A tracking server (http, https) that does not answer within ``timeout_s``. A local store
+        (a path, file:, sqlite:) needs nothing; another remote store (databricks, a database)
+        is left to MLflow."""
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+        if urllib.parse.urlparse(uri).scheme not in ("http", "https"):
+            return None
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            return None  # it answered (a login page, another version's routes)
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            return (f"its tracking server {uri} does not answer ({reason}): start it, or set MLFLOW_TRACKING_URI to "
+                    "one that runs, or to a local folder (file:./mlruns)")
+        return None
 
     def __init__(self, run_dir: Path, config: dict[str, Any], saved: dict[str, Any] | None):
         import mlflow  # imported only when asked for
@@ -167,9 +250,33 @@ class MlflowLogger:
 LOGGERS = {cls.name: cls for cls in (TensorBoardLogger, WandbLogger, MlflowLogger)}
 
 
+def check_loggers(names: list[str]) -> None:
+    """Refuse, before anything is built, a logger in ``names`` that cannot start here: its
+    package does not import, or its own check finds a problem (``check()``): ConfigError,
+    naming the fix."""
+    for name in dict.fromkeys(names):
+        if name == "csv":
+            continue
+        logger = LOGGERS[name]
+        try:
+            importlib.import_module(logger.module)
+        except Exception as exc:  # noqa: BLE001  (a broken install raises anything as it imports)
+            problem = (f"{logger.module} does not import ({_one_line(exc)}); reinstall it with "
+                       f"pip install 'kiln[{name}]'")
+        else:
+            problem = logger.check()
+        if problem:
+            raise ConfigError(f"train.loggers includes {name}, but {problem}; or remove {name} from train.loggers")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"
+
+
 class Loggers:
-    """The run's loggers (rank 0's; the other ranks hold none), each called through one guard:
-    a logger that raises is warned about once and dropped, and the run goes on."""
+    """The run's loggers (rank 0's; the other ranks hold none), each called through one guard
+    once started: a logger that raises is warned about once and dropped, and the run goes on."""
 
     def __init__(self, loggers: list[Any] | None = None):
         self.active = list(loggers or [])
@@ -186,9 +293,10 @@ class Loggers:
                 continue
             try:
                 logger = LOGGERS[name](run_dir, config, saved.get(name))
-            except Exception as exc:  # noqa: BLE001  (a logger never stops a run)
-                loggers._dropped(name, "could not start", exc)
-                continue
+            except Exception as exc:  # noqa: BLE001  (what check_loggers could not foresee: a key refused)
+                loggers.close("failed")
+                raise ConfigError(f"train.loggers includes {name}, but it could not start ({_one_line(exc)}); "
+                                  f"fix that, or remove {name} from train.loggers") from exc
             loggers.active.append(logger)
             saved[name] = logger.saved()
         if loggers.active:
@@ -213,15 +321,10 @@ class Loggers:
                 getattr(logger, method)(*args)
             except Exception as exc:  # noqa: BLE001  (a logger never stops a run)
                 self.active.remove(logger)
-                self._dropped(logger.name, f"failed ({method})", exc)
+                warnings.warn(f"the {logger.name} logger failed ({method}): {_one_line(exc)}; training goes on "
+                              "without it (metrics.csv keeps every row)", LoggerWarning, stacklevel=3)
                 if method != "close":
                     try:
                         logger.close("failed")
                     except Exception:  # noqa: BLE001  (already said)
                         pass
-
-    @staticmethod
-    def _dropped(name: str, what: str, exc: BaseException) -> None:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        warnings.warn(f"kiln: the {name} logger {what}: {type(exc).__name__}: {text}; training goes on without "
-                      "it (metrics.csv keeps every row)", LoggerWarning, stacklevel=3)

@@ -266,15 +266,16 @@ def _fmt(value: Any) -> Any:
     return "" if value is None else value
 
 
-def mark_stopped(path: Path, status: str, error: str) -> None:
+def mark_stopped(path: Path, status: str, error: str, *, over_ended: bool = False) -> None:
     """Mark run directory ``path`` ``status`` in summary.json if it still says ``running``:
-    what the launcher of ``--nproc N`` does when its rank 0 could not."""
+    what the launcher of ``--nproc N`` does when its rank 0 could not; ``over_ended``: also if
+    rank 0 marked it failed or interrupted itself (never over ``completed``)."""
     file = path / SUMMARY
     try:
         summary = json.loads(file.read_text()) if file.exists() else {}
     except ValueError:
         summary = {}
-    if summary.get("status", "running") == "running":
+    if summary.get("status", "running") in (("running", "failed", "interrupted") if over_ended else ("running",)):
         summary.update(status=status, error=error)
         atomic_write_text(file, json.dumps(summary, indent=2, sort_keys=False) + "\n")
 

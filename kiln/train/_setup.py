@@ -43,7 +43,7 @@ from kiln.train._build import (
 )
 from kiln.train._callbacks import EarlyStopping
 from kiln.train._checkpoint import checkpoint_to_resume, load_into, plain, set_rng_state
-from kiln.train._loggers import Loggers
+from kiln.train._loggers import Loggers, check_loggers
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
 from kiln.train._run_dir import CONFIG, RunDir, RunLock
@@ -156,6 +156,8 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     # a process group the caller made (its own script, a test) stays up after the run
     owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world = init_distributed(cfg.parallel.timeout_s)
+    if rank == 0:
+        check_loggers(tc.loggers)  # rank 0 alone logs: a logger that cannot start stops the run now
     layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
     coords = layout.coords(rank)  # this rank's place: {"pp": .., "dp": .., "tp": ..}
     device = pick_device(tc.device)

@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kiln.config import load_config
-from kiln.errors import CheckpointError, ConfigError
+from kiln.errors import (SHOWN_WARNINGS_ENV, CheckpointError, ConfigError, KilnWarning, one_line_warnings,
+                         shown_warnings)
 from kiln.train._build import check_model
 from kiln.train._checkpoint import Checkpoints, has_checkpoint
+from kiln.train._heartbeat import EVERY_S, HEARTBEAT_DIR_ENV, beat, read_beats, silent_ranks
+from kiln.train._loggers import check_loggers
 from kiln.train._ranks import check_layout
 from kiln.train._run_dir import (
     CONFIG,
@@ -91,6 +94,7 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
         # (refused with how to extend it)
         check_resume(run_dir, cfg)
     check_layout(cfg, nproc)  # dp x tp x pp against the processes
+    check_loggers(cfg.train.loggers)  # W&B's key, MLflow's server: before the plan, the processes, the model
     if not chosen:  # (parallel.auto's choice was planned to fit already)
         from kiln.plan import check_fits
 
@@ -101,7 +105,8 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
     rank = (None, overrides, str(run_dir)) if run_dir is not None else (config, overrides, None)
     if run_dir is None and os.environ.get(RUN_DIR_ENV):
         run_dir = Path(os.environ[RUN_DIR_ENV])  # the user named the run directory: the launcher opens it
-    return _launch(rank, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name, rank_logs)
+    return _launch(rank, nproc, max_restarts, run_dir, cfg.train.output_dir, cfg.train.run_name or name, rank_logs,
+                   timeout_s=cfg.parallel.timeout_s)
 
 
 def _run_name(config: Path) -> str:
@@ -131,15 +136,19 @@ def _train_here(cfg: Any, run_dir: Path | None, name: str, *, worker: bool) -> i
 
 
 def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_restarts: int, run_dir: Path | None,
-            output_dir: str, name: str, rank_logs: Path | None = None) -> int:
+            output_dir: str, name: str, rank_logs: Path | None = None, *, timeout_s: float = 600.0) -> int:
     """Run ``train_command(*rank)`` (config, overrides, resume) in ``nproc`` local processes
     under torchrun's elastic agent.
 
     This process, the launcher, creates (or reopens) the run directory and holds its lock
     for the whole run: rank 0 may die and be restarted by the agent without ever meeting its
     own lock, and a second ``kiln train --resume`` of the directory is refused while the run
-    lives. When rank 0 could not record how the run ended, the launcher marks it."""
+    lives. When rank 0 could not record how the run ended, the launcher marks it; when a rank
+    failed, the launcher's line names the rank that died or stopped answering (its heartbeat:
+    ``timeout_s``, parallel.timeout_s, is how long the others waited for it)."""
     import logging
+    import shutil
+    import tempfile
 
     import torch.distributed.launcher.api  # noqa: F401  (first: importing torchrun's agent sets its logger's level)
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -147,6 +156,7 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
 
     out = RunDir.open(run_dir) if run_dir is not None else RunDir.create(output_dir, name)  # locked
     run_dir = out.path
+    beats = Path(tempfile.mkdtemp(prefix="kiln-heartbeats-"))  # each rank's sign of life (_heartbeat.py)
     resume = f"kiln train --resume {run_dir} --nproc {nproc}"
     # the agent's notes on a stop ("Received 2 death signal", "Sending process .. closing
     # signal") would bury the one line that says what happened and how to continue
@@ -158,11 +168,18 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
     try:
         for log in quiet:
             log.setLevel(quiet_level)
-        with _environ(**{RUN_DIR_ENV: str(run_dir)}):  # named here, so every restart finds it
+        # named here, so that every restart finds them; a warning this process showed (the plan's)
+        # is not shown again by rank 0
+        named = {RUN_DIR_ENV: str(run_dir), HEARTBEAT_DIR_ENV: str(beats), SHOWN_WARNINGS_ENV: shown_warnings()}
+        with _environ(**named):
             _torchrun(nproc, max_restarts, rank, rank_logs)
     except ChildFailedError as exc:
-        failures = "; ".join(f"rank {r}: {_failure_text(f)}" for r, f in sorted(exc.failures.items()))
-        mark_stopped(run_dir, "failed", f"training failed ({failures})")
+        # a rank stopped answering is silent for parallel.timeout_s when the first waiting rank fails;
+        # the others beat every second
+        failures, blamed = _failures(exc.failures, read_beats(beats), silent_after_s=max(3.0, timeout_s / 2))
+        # over rank 0's own error where the line names a rank that died or stopped: rank 0's names
+        # what it saw, not the rank that failed first
+        mark_stopped(run_dir, "failed", f"training failed ({failures})", over_ended=blamed)
         print(f"kiln: error: training failed ({failures}). {run_dir} keeps its checkpoints; continue with "
               f"{resume}", file=sys.stderr)
         return 1
@@ -178,6 +195,7 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+        shutil.rmtree(beats, ignore_errors=True)
         out.close()  # releases the lock
     return 0
 
@@ -230,7 +248,12 @@ def _rank(config: str | None, overrides: list[str], resume: str | None, environ:
     os.chdir(cwd)
     _name_process(f"kiln rank {os.environ.get('RANK', '?')}")
     _stop_with_the_launcher()
-    status = exit_status(lambda: train_command(config, overrides, resume=resume))
+    if os.environ.get(HEARTBEAT_DIR_ENV):
+        beat.start(Path(os.environ[HEARTBEAT_DIR_ENV]), int(os.environ["RANK"]))
+    try:
+        status = exit_status(lambda: train_command(config, overrides, resume=resume))
+    finally:
+        beat.end()  # (a rank killed outright never gets here)
     if status:
         sys.exit(status)  # (a return is exit status 0 to the agent)
 
@@ -283,17 +306,69 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _failure_text(failure: object) -> str:
+def _failures(failures: dict[int, Any], beats: dict[int, dict[str, Any]], silent_after_s: float) -> tuple[str, bool]:
+    """``rank R: what happened; ...``, the ranks that caused the failure first, then the failed
+    ranks torchrun reports (at most two, in the order they failed, and how many more); and
+    whether it names a rank that died or stopped answering.
+
+    torchrun's agent reports the first rank whose process ended, often one that noticed: a rank
+    killed outright (kill -9, the OOM killer) breaks its peers' connections, a rank that stopped
+    answering makes their collectives time out. So, besides a rank a signal killed, the ranks to
+    name come from their heartbeats (kiln/train/_heartbeat.py), set against the time the first
+    rank recorded its error: a rank silent for more than ``silent_after_s`` seconds then had
+    stopped answering; a rank whose beats stopped by then, without the ``ended`` mark of a rank
+    that exits on its own, was killed. Only a recorded error is dated when it happened (from the
+    rank's error file); torchrun dates another failure after stopping the other ranks."""
+    recorded = [r for r in failures if _killed_by(failures[r]) is None
+                and os.path.isfile(getattr(failures[r], "error_file", ""))]
+    first = min(recorded, key=lambda r: failures[r].timestamp, default=None)
+    at = failures[first].timestamp if first is not None else None
+    silent = [] if at is None else [r for r in silent_ranks(beats, at, silent_after_s) if r not in failures]
+    # (the first failure's time is cut to whole seconds, and the dead rank's last beat came up to a beat earlier)
+    gone = [] if at is None else [r for r, b in sorted(beats.items()) if r not in failures and r not in silent
+                                  and not b.get("ended") and b["time"] <= at + 1 + EVERY_S]
+    died = [r for r in sorted(failures) if _killed_by(failures[r]) is not None]
+    rest = sorted((r for r in failures if r not in died), key=lambda r: failures[r].timestamp)
+    said = [f"rank {r}: {_failure_text(failures[r])}{_where(beats.get(r))}" for r in died]
+    said += [f"rank {r}: stopped answering{_where(beats[r])}: no sign of life for {at - beats[r]['time']:.0f} s "
+             f"when rank {first} failed" for r in silent]
+    said += [f"rank {r}: killed{_where(beats[r])} before rank {first} failed, with no exit of its own (kill -9, "
+             "the OOM killer)" for r in gone]
+    said += [f"rank {r}: {_failure_text(failures[r])}" for r in rest[:2]]
+    if len(rest) > 2:
+        said.append(f"{len(rest) - 2} more ranks failed after them")
+    return "; ".join(said), bool(died or silent or gone)
+
+
+def _where(beat: dict[str, Any] | None) -> str:
+    """Where a rank was, from its last heartbeat: `` in step 21 (pid 4242 on HOST, cuda:1)``."""
+    if not beat:
+        return ""
+    step = f" in step {beat['step']}" if beat.get("step") is not None else " before its first step"
+    device = f", {beat['device']}" if beat.get("device") else ""
+    return f"{step} (pid {beat['pid']} on {beat['host']}{device})"
+
+
+def _killed_by(failure: Any) -> int | None:
+    """The signal that killed a torchrun worker (kill -9, the OOM killer, a crash), or None."""
+    code = getattr(failure, "exitcode", None)
+    return -code if isinstance(code, int) and code < 0 else None
+
+
+def _failure_text(failure: Any) -> str:
     """The error a torchrun worker recorded, or how it died."""
+    sig = _killed_by(failure)
+    if sig is not None:
+        try:
+            return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        except ValueError:  # (a real-time signal)
+            return f"killed by signal {sig}"
     message = getattr(failure, "message", None)
     if isinstance(message, dict):
         message = message.get("message", "")
     if message and "To enable traceback" not in str(message):
         return str(message).strip().splitlines()[0][:300]
-    code = getattr(failure, "exitcode", None)
-    if isinstance(code, int) and code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"exit code {getattr(failure, 'exitcode', None)}"
 
 
 # ----------------------------------------------------------------------------- how it ends
@@ -305,8 +380,8 @@ def exit_status(command: Callable[[], int], user_errors: tuple[type[BaseExceptio
     stderr (see the module's docstring); ``user_errors`` are more errors the user can fix.
     Bugs still raise, with their traceback."""
     # SIGTERM, what schedulers send before they kill, stops a run as Ctrl-C does: the loop
-    # marks it interrupted and its checkpoints stay as they are
-    with stop_signals():
+    # marks it interrupted and its checkpoints stay as they are; kiln's warnings read as its errors do
+    with stop_signals(), one_line_warnings():
         try:
             return command()
         except BaseException as exc:
@@ -314,7 +389,8 @@ def exit_status(command: Callable[[], int], user_errors: tuple[type[BaseExceptio
             if full is not None:
                 print(f"kiln: error: {_disk_full_message(full)}", file=sys.stderr)
                 return 1
-            if isinstance(exc, (ConfigError, CheckpointError, RunDirBusy, *user_errors)):
+            # (a KilnWarning raised: the user's filter made kiln's warnings errors, -W error)
+            if isinstance(exc, (ConfigError, CheckpointError, RunDirBusy, KilnWarning, *user_errors)):
                 print(f"kiln: error: {exc}", file=sys.stderr)
                 return EXIT_USAGE
             stop = stopped_by(exc)  # an interrupt, also inside another error, or one after a stop signal

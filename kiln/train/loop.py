@@ -38,6 +38,7 @@ from kiln.hf import export_checkpoint, is_hf_model
 from kiln.train._batches import Step
 from kiln.train._build import build_model
 from kiln.train._checkpoint import Checkpoints, plain, save_checkpoint
+from kiln.train._heartbeat import beat
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
 from kiln.train._run_dir import CHECKPOINTS, raise_if_stopped, stopped_by
@@ -75,7 +76,9 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         log_every, eval_every, checkpoint_every = tc.log_every, tc.eval_every, tc.checkpoint_every
         compiled, keep = tc.compile, tc.keep_checkpoints
         run.model.train()
+        beat.device = str(run.device)  # (what the launcher names, if this rank stops answering)
         for step in range(run.start_step + 1, run.total_steps + 1):
+            beat.step = step
             started = time.perf_counter()
             lr = run.scheduler.get_last_lr()[0]  # the rate this step runs at (the scheduler steps in it)
             with run.memory.step():  # the first steps' peak of live tensor bytes
