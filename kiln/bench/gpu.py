@@ -85,11 +85,14 @@ RUNS = (
 )
 
 
+def arguments(run: Run, device: str) -> list[str]:
+    """``kiln``'s arguments that run ``run`` in its quick form on ``device``."""
+    return ["bench", run.name, "--quick", f"--device={device}", *(f"--{k}={v}" for k, v in run.options_on(device).items())]
+
+
 def command(run: Run, device: str, out: Path) -> list[str]:
     """The command line that runs ``run`` in its quick form on ``device``, into ``out/NAME``."""
-    options = [f"--{k}={v}" for k, v in run.options_on(device).items()]
-    return [sys.executable, "-m", "kiln", "bench", run.name, "--quick", f"--device={device}", *options,
-            f"--out={out / run.name}"]
+    return [sys.executable, "-m", "kiln", *arguments(run, device), f"--out={out / run.name}"]
 
 
 def run_process(argv: list[str], limit_s: float, prefix: str = "  | ") -> dict[str, Any]:
@@ -98,28 +101,41 @@ def run_process(argv: list[str], limit_s: float, prefix: str = "  | ") -> dict[s
     ``failed``, ``timeout``), ``exit`` (its exit status; None where it was ended), ``seconds`` and
     its ``last_lines``."""
     last: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
-    def pump() -> None:
-        for line in proc.stdout:
+    def pump(stream: Any) -> None:
+        for line in stream:
             line = line.rstrip("\n")
             last.append(line)
             print(prefix + line, flush=True)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    # Its session does not get this one's signals: a SIGTERM or SIGHUP here (a lease ending, a
+    # closed terminal) must end it too, or it would hold the GPU with no one to read its report.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    started = time.perf_counter()
+    proc = None
     try:
-        code: int | None = proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        code = None
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
+        reader.start()
+        try:
+            code: int | None = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
     finally:
-        if proc.poll() is None:  # at its limit, or this process was interrupted (Ctrl-C)
+        if proc is not None and proc.poll() is None:  # at its limit, or this process was told to end
             _end(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     reader.join(timeout=10)
     status = "timeout" if code is None else "ok" if code == 0 else "failed"
     return {"status": status, "exit": code, "seconds": time.perf_counter() - started, "last_lines": list(last)}
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"kiln bench gpu: {signal.Signals(signum).name}")
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -176,9 +192,8 @@ def measure(quick: bool = False, device: str = "cuda", out: Path | None = None) 
     for i, run in enumerate(RUNS, 1):
         spent = time.perf_counter() - started
         left = budget - spent
-        argv = command(run, device, out)
         head = f"[gpu {i}/{len(RUNS)}, {spent:.0f} s of {budget:.0f}] {run.name}"
-        row = {"benchmark": run.name, "command": " ".join(["kiln", "bench", *argv[4:-1]]), "seconds": None,
+        row = {"benchmark": run.name, "command": " ".join(["kiln", *arguments(run, device)]), "seconds": None,
                "limit_s": None, "targets": "", "note": ""}
         why = _check(run, device)
         if why is None and left < MIN_START_S:
@@ -190,7 +205,7 @@ def measure(quick: bool = False, device: str = "cuda", out: Path | None = None) 
             continue
         limit = min(run.limit_s * scale, left)
         print(f"{head}: {row['command']} (limit {limit:.0f} s)", flush=True)
-        done = run_process(argv, limit)
+        done = run_process(command(run, device, out), limit)
         done["limit_s"] = limit
         row.update(status=done["status"], seconds=done["seconds"], limit_s=limit)
         saved = out / run.name / f"{run.name}.json"

@@ -266,6 +266,7 @@ class _Peak:
             return self.rss.restart()
         gc.collect()  # the previous row's model and optimizer, where a cycle still holds them
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
 
     def bytes_above(self, before: int, summary: dict[str, Any] | None) -> int:
