@@ -83,6 +83,37 @@ def test_nproc_is_1_or_2_and_1_on_a_gpu():
         check_nproc(2, "cuda")
 
 
+def test_a_quick_table_in_this_process_leaves_compile_on_after_it():
+    """--nproc 1 runs the rows in the calling process: --quick's eager compile and optimizer are
+    switched off again after it."""
+    import os
+
+    from torch._dynamo import config as dynamo_config
+
+    from kiln.bench.vit import _eager
+
+    assert "KILN_OPTIM_EAGER" not in os.environ and not dynamo_config.disable
+    with _eager(True):
+        assert os.environ["KILN_OPTIM_EAGER"] == "1" and dynamo_config.disable
+    assert "KILN_OPTIM_EAGER" not in os.environ and not dynamo_config.disable
+    with _eager(False):
+        assert "KILN_OPTIM_EAGER" not in os.environ and not dynamo_config.disable
+
+
+def test_a_gpu_s_rows_load_in_workers_unless_shared_memory_cannot_hold_their_batches(monkeypatch):
+    from collections import namedtuple
+
+    from kiln.bench import vit
+
+    assert vit.loader_workers("cpu", SIZES["cpu"]) == (0, "")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(vit.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    assert vit.loader_workers("cuda", SIZES["cuda"]) == ("auto", "")  # configs/vit_b16.py's
+    monkeypatch.setattr(vit.shutil, "disk_usage", lambda path: usage(2**26, 0, 2**26))  # a container's 64 MB
+    workers, why = vit.loader_workers("cuda", SIZES["cuda"])
+    assert workers == 0 and why.startswith("data.workers=0: /dev/shm has 64 MB free")
+
+
 # the GPU table's model and data (configs/vit_b16.py: 3 channels, 1000 classes), shrunk to run here
 TINY_B16 = {"model.image_size": 32, "data.args.image_size": 32, "model.patch_size": 8, "model.dim": 32,
             "model.depth": 1, "model.heads": 2, "data.args.num_samples": 256, "data.args.val_samples": 32,

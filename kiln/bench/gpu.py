@@ -43,6 +43,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -182,8 +183,6 @@ def _failure(run: dict[str, Any]) -> str:
 
 def measure(quick: bool = False, device: str = "cuda", out: Path | None = None) -> Result:
     """Run :data:`RUNS` one after another on ``device``, each in its own process, into ``out``."""
-    import tempfile
-
     out = Path(out if out is not None else tempfile.mkdtemp(prefix="kiln-bench-gpu-")).resolve()
     budget = BUDGET_S["cpu" if device == "cpu" else "cuda"]
     scale = CPU_SLOWER if device == "cpu" else 1
@@ -205,10 +204,11 @@ def measure(quick: bool = False, device: str = "cuda", out: Path | None = None) 
             continue
         limit = min(run.limit_s * scale, left)
         print(f"{head}: {row['command']} (limit {limit:.0f} s)", flush=True)
+        saved = out / run.name / f"{run.name}.json"
+        saved.unlink(missing_ok=True)  # an earlier run's report is not this one's
         done = run_process(command(run, device, out), limit)
         done["limit_s"] = limit
         row.update(status=done["status"], seconds=done["seconds"], limit_s=limit)
-        saved = out / run.name / f"{run.name}.json"
         if done["status"] == "ok" and saved.exists():
             row["report"] = json.loads(saved.read_text())
             row["targets"] = _targets(row["report"])

@@ -62,7 +62,8 @@ say nothing.
 16, width 768, depth 12, 12 heads, MLP 3072, 86.6 M parameters) on generated 3 x 224 x 224
 images of 1000 classes (``synthetic_images``, no download), batch 128 (row 8: 256), 200 steps
 a row, one process (the 77 MB batches of fp32 images are stacked by ``data.workers=auto``
-worker processes). One GPU is one data-parallel rank, so:
+worker processes, or by the training process where /dev/shm is too small for them: the notes say
+so). One GPU is one data-parallel rank, so:
 
 - row 1 is a single process, not DDP over two;
 - row 3, FSDP, is **not applicable** and is not run: FSDP2 shards parameters, gradients and
@@ -91,6 +92,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -217,17 +219,42 @@ def rows(quick: bool = False, device: str = "cpu", nproc: int | None = None,
     return out
 
 
+def loader_workers(device: str, sizes: Sizes) -> tuple[int | str, str]:
+    """``data.workers`` of the rows, and why where it is not the config's. On CPU 0 (one thread a
+    rank, loading in it). On a GPU the config's ``auto``: worker processes stack the batches (77 MB
+    of fp32 images at batch 128) and hand them over through shared memory, while the training
+    process only feeds the GPU; but where /dev/shm cannot hold the 2 batches each worker
+    prefetches (a container's default is 64 MB), 0."""
+    if device == "cpu":
+        return 0, ""
+    from kiln.config import load_config
+    from kiln.data import resolve_workers
+
+    data = load_config(sizes.config).data
+    args = dict(data.args)
+    batch_bytes = 4 * args["channels"] * args["image_size"] ** 2 * sizes.large_batch
+    needed = 2 * resolve_workers(data.workers) * batch_bytes
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:  # no /dev/shm: torch hands batches over otherwise
+        return data.workers, ""
+    if free >= needed:
+        return data.workers, ""
+    return 0, (f"data.workers=0: /dev/shm has {free / 2**20:.0f} MB free, less than the {needed / 2**20:.0f} MB the "
+               "loader's workers would hold; the training process stacks the batches itself")
+
+
 def _overrides(keys: dict[str, Any], quick: bool, output_dir: str, device: str = "cpu",
-               sizes: Sizes | None = None) -> list[str]:
+               sizes: Sizes | None = None, workers: int | str = 0) -> list[str]:
     def text(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 
     sizes = sizes or SIZES[device]
     log_every = sizes.quick_log_every if quick else sizes.log_every
     fixed = [f"train.log_every={log_every}", "train.eval_every=0", "train.progress=none", f"train.device={device}",
-             "train.seed=0", f"train.output_dir={output_dir}"]
-    if device == "cpu":  # one thread a process, loading in it; a GPU's config loads in workers
-        fixed += ["train.threads=1", "data.workers=0"]
+             "train.seed=0", f"train.output_dir={output_dir}", f"data.workers={workers}"]
+    if device == "cpu":  # one thread a process (2 processes on 2 cores)
+        fixed.append("train.threads=1")
     return fixed + [f"{k}={text(v)}" for k, v in keys.items()]
 
 
@@ -239,18 +266,16 @@ def _eager(on: bool) -> Iterator[None]:
         return
     from torch._dynamo import config as dynamo_config
 
-    from kiln.optim._kernels import EAGER_ENV
-
-    old = os.environ.get(EAGER_ENV)
-    os.environ[EAGER_ENV] = "1"
+    old = os.environ.get("KILN_OPTIM_EAGER")  # (kiln.optim's switch to its eager update rules)
+    os.environ["KILN_OPTIM_EAGER"] = "1"
     try:
         with dynamo_config.patch(disable=True):
             yield
     finally:
         if old is None:
-            os.environ.pop(EAGER_ENV, None)
+            os.environ.pop("KILN_OPTIM_EAGER", None)
         else:
-            os.environ[EAGER_ENV] = old
+            os.environ["KILN_OPTIM_EAGER"] = old
 
 
 class _Peak:
@@ -277,7 +302,7 @@ class _Peak:
 
 # -- one rank ---------------------------------------------------------------------------------------
 def _worker(rank: int, world: int, table: list[dict[str, Any]], quick: bool, device: str = "cpu",
-            sizes: Sizes | None = None) -> list[dict[str, Any]]:
+            sizes: Sizes | None = None, workers: int | str = 0) -> list[dict[str, Any]]:
     """Rank ``rank`` of ``kiln.parallel.testing.run_distributed``'s group (or the one process of
     a one-process table): every row in turn, each a whole ``kiln.train.train`` run in this
     process's group (a run leaves a group it did not make up), as a worker started by ``kiln
@@ -296,13 +321,13 @@ def _worker(rank: int, world: int, table: list[dict[str, Any]], quick: bool, dev
         # through torch.optim, matplotlib, checkpointing), gloo's set-up and CUDA's happen once
         # per process and would count in row 1's peak memory
         if not quick:  # (--quick: row 1's memory includes them)
-            train(load_config(sizes.config, [*_overrides(table[0]["keys"], quick, runs, device, sizes),
+            train(load_config(sizes.config, [*_overrides(table[0]["keys"], quick, runs, device, sizes, workers),
                                              "train.max_steps=2"]), name="warmup")
         for row in table:
             if "skip" in row:
                 results.append({"skipped": row["skip"]})
                 continue
-            cfg = load_config(sizes.config, _overrides(row["keys"], quick, runs, device, sizes))
+            cfg = load_config(sizes.config, _overrides(row["keys"], quick, runs, device, sizes, workers))
             before = peak.start()
             started = time.perf_counter()
             result = train(cfg, name="vit")
@@ -360,11 +385,12 @@ def measure(quick: bool = False, device: str = "cpu", nproc: int | None = None, 
     nproc = check_nproc(default_nproc(device) if nproc is None else nproc, device)
     sizes = sizes or SIZES[device]
     table = rows(quick, device, nproc, sizes)
+    workers, why_workers = loader_workers(device, sizes)
     if nproc == 1:
-        per_rank = [_worker(0, 1, table, quick, device, sizes)]
+        per_rank = [_worker(0, 1, table, quick, device, sizes, workers)]
     else:
         # a row's collectives wait for the other rank's compile (minutes on 2 busy cores)
-        per_rank = run_distributed(_worker, nproc, table, quick, device, sizes, threads=1, timeout_s=1800)
+        per_rank = run_distributed(_worker, nproc, table, quick, device, sizes, workers, threads=1, timeout_s=1800)
     result_rows = [_result_row(row, [r[i] for r in per_rank]) for i, row in enumerate(table)]
     ran = [r for r in result_rows if "skipped" not in r]
     first = ran[0]
@@ -389,6 +415,7 @@ def measure(quick: bool = False, device: str = "cpu", nproc: int | None = None, 
              "samples": (sizes.quick_steps if quick else sizes.steps) * sizes.batch, "processes": nproc,
              "device": device, **({"gpu": gpu} if gpu else {}),
              "threads_per_process": 1 if device == "cpu" else None, "backend": "gloo" if nproc > 1 else None,
+             "data_workers": workers,
              "quick": quick, **({"quick_note": quick_note} if quick else {}),
              "speed": "median samples/s over kiln train's log windows after the first",
              "peak": "resident set (VmHWM) of the fullest rank" if device == "cpu" else
@@ -406,7 +433,7 @@ def measure(quick: bool = False, device: str = "cpu", nproc: int | None = None, 
             Col("optimizer", key("optim.impl")), Col("zero", key("parallel.zero")),
             Col("compile", lambda r: "yes" if r["config"]["train.compile"] else "no"),
             Col("batch", key("data.batch_size"))]
-    notes = []
+    notes = [why_workers] if why_workers else []
     if len(ran) < len(result_rows):
         cols.append(Col("", lambda r: "not applicable on one device" if "skipped" in r else ""))
         notes += [f"row {r['row']} ({r['name']}) not run: {r['skipped']}; x prev of the row after it is over the row "
