@@ -41,7 +41,7 @@ The batch stays the article's 50 x 80 tokens.
 
 ``--quick`` is a smoke run: no warm-up steps, two timed steps, and ``c`` and ``c-fp32`` not
 compiled; on a CPU a batch of 10 sequences. On a GPU it keeps the batch of 50 and times 3 warm-up
-and 20 steps (a second or two a variant): the quick form ``kiln bench gpu`` runs.
+and 20 steps: the quick form ``kiln bench gpu`` runs.
 
     python -m kiln bench encoder-layer        # or run(Path("out"), quick=True)
     kiln bench encoder-layer --device cuda --hidden 1024

@@ -79,7 +79,7 @@ so). One GPU is one data-parallel rank, so:
 ``--quick`` there is the GPU's quick form (``kiln bench gpu`` runs it): the same model and
 batch, 16 steps a row (8 at batch 256) logged every 2, and ``torch.compile`` in its own row
 only (each compile of ViT-B/16 takes 40-60 s cold; rows 8 and 9 would compile it twice more),
-about 1-1.5 minutes on an H100. ``--nproc 1`` runs the CPU table in one process the same way
+sized for 1-1.5 minutes on an H100 (not yet timed on one: no GPU has run it). ``--nproc 1`` runs the CPU table in one process the same way
 (FSDP row marked), as a test of that path on a machine without a GPU.
 
     kiln bench vit            # or: kiln bench vit --quick
