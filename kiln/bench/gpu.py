@@ -88,7 +88,8 @@ RUNS = (
 
 def arguments(run: Run, device: str) -> list[str]:
     """``kiln``'s arguments that run ``run`` in its quick form on ``device``."""
-    return ["bench", run.name, "--quick", f"--device={device}", *(f"--{k}={v}" for k, v in run.options_on(device).items())]
+    options = [f"--{k}={v}" for k, v in run.options_on(device).items()]
+    return ["bench", run.name, "--quick", f"--device={device}", *options]
 
 
 def command(run: Run, device: str, out: Path) -> list[str]:

@@ -79,8 +79,9 @@ so). One GPU is one data-parallel rank, so:
 ``--quick`` there is the GPU's quick form (``kiln bench gpu`` runs it): the same model and
 batch, 16 steps a row (8 at batch 256) logged every 2, and ``torch.compile`` in its own row
 only (each compile of ViT-B/16 takes 40-60 s cold; rows 8 and 9 would compile it twice more),
-sized for 1-1.5 minutes on an H100 (not yet timed on one: no GPU has run it). ``--nproc 1`` runs the CPU table in one process the same way
-(FSDP row marked), as a test of that path on a machine without a GPU.
+sized for 1-1.5 minutes on an H100 (not yet timed on one: no GPU has run it). ``--nproc 1``
+runs the CPU table in one process the same way (FSDP row marked), as a test of that path on a
+machine without a GPU.
 
     kiln bench vit            # or: kiln bench vit --quick
     kiln bench vit --device cuda
@@ -188,8 +189,8 @@ def rows(quick: bool = False, device: str = "cpu", nproc: int | None = None,
     fsdp = ("FSDP2 shards parameters, gradients and optimizer state over data-parallel ranks; one process has none "
             "to shard over")
     adds = [
-        ("baseline", "fp32, class token, batch-first, torch AdamW for-loop, " + ("one process" if one else f"DDP x{nproc}"),
-         {}),
+        ("baseline", "fp32, class token, batch-first, torch AdamW for-loop, "
+         + ("one process" if one else f"DDP x{nproc}"), {}),
         ("+ AMP", "bf16-mixed autocast", {"train.precision": "bf16-mixed"}),
         (FSDP_ROW, f"not applicable on one device: {fsdp}" if one else f"ZeRO-3 over the {nproc} data-parallel ranks "
          "(FSDP2)", {} if one else {"parallel.zero": 3}),
@@ -439,15 +440,16 @@ def measure(quick: bool = False, device: str = "cpu", nproc: int | None = None, 
         notes += [f"row {r['row']} ({r['name']}) not run: {r['skipped']}; x prev of the row after it is over the row "
                   "before it" for r in result_rows if "skipped" in r]
     if device != "cpu":
-        notes.append("accuracy: of synthetic labels (a linear teacher over 8x8 cells of each image, 1000 classes) after "
-                     "a few hundred steps at most: it shows that each row trained, not ImageNet's accuracy")
+        notes.append("accuracy: of synthetic labels (a linear teacher over 8x8 cells of each image, 1000 classes) "
+                     "after a few hundred steps at most: it shows that each row trained, not ImageNet's accuracy")
     label = lambda r: f"{r['row']}. {r['name'].removeprefix('+ ')}"  # noqa: E731
     chart = [Bars("cumulative speedup over row 1 (samples/s)", ran, label, {"speedup": "speedup"},
                   "x row 1", lines={"row 1": 1.0}, color=lambda r: "gray" if r["row"] == 1 else
                   "tab:orange" if r["speedup"] >= 1 else "tab:red"),
              Bars("validation accuracy", ran, label, {"accuracy": "accuracy"}, "accuracy")]
     where = f"one GPU ({gpu})" if gpu else (f"{nproc} processes x 1 thread" if nproc > 1 else "one process x 1 thread")
-    title = f"{setup['model']}, {setup['samples']:,} training samples a row, {where} (Meta's faster-ViT table, cumulative)"
+    title = (f"{setup['model']}, {setup['samples']:,} training samples a row, {where} (Meta's faster-ViT table, "
+             "cumulative)")
     return Result({"setup": setup, "rows": result_rows}, [Table(result_rows, cols)], title, chart, notes=notes,
                   threads=1 if device == "cpu" else None, processes=nproc)
 
