@@ -157,7 +157,7 @@ def test_the_command_of_each_benchmark_and_the_budget():
     argv = gpu.command(enc, "cuda", Path("/o"))
     assert argv[:3] == [sys.executable, "-m", "kiln"]
     assert argv[3:] == ["bench", "encoder-layer", "--quick", "--device=cuda", "--hidden=1024", "--out=/o/encoder-layer"]
-    assert gpu.command(enc, "cpu", Path("/o"))[6] == "--hidden=64"  # the CPU's test of the script: a tiny layer
+    assert gpu.command(enc, "cpu", Path("/o"))[7] == "--hidden=64"  # the CPU's test of the script: a tiny layer
     vit = next(r for r in gpu.RUNS if r.name == "vit")
     assert "--nproc=1" in gpu.command(vit, "cpu", Path("/o")) and "--nproc=1" in gpu.command(vit, "cuda", Path("/o"))
 
