@@ -160,7 +160,9 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="run a benchmark against plain PyTorch",
         description="Run a benchmark that measures a kiln claim against the plain PyTorch way "
         "in the same process, print a table of ratios, and write JSON and a PNG chart.\n\n"
-        "example:\n  kiln bench optimizer\n  kiln bench optimizer --quick --out /tmp/bench",
+        "example:\n  kiln bench optimizer\n  kiln bench optimizer --quick --out /tmp/bench\n"
+        "  kiln bench encoder-layer --device cuda --hidden 1024\n"
+        "  kiln bench gpu                   # on a GPU machine: what to run first (docs/gpu.md)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("name", metavar="NAME", nargs="?", help="benchmark name (see --list)")
@@ -169,8 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="output folder (default: bench_results/NAME)")
     bench.add_argument("--family", metavar="F[,F]", help="parallel only: model families to lay out, among gpt, "
                        "bert and llama (a Hugging Face Llama of the GPT's size); default gpt,bert")
-    bench.add_argument("--device", metavar="D", help="optimizer, encoder-layer, hf, plan and ddp: run on D, cpu (default) "
-                       "or cuda (ddp: two GPUs); the JSON records the GPU")
+    bench.add_argument("--device", metavar="D", help="optimizer, encoder-layer, hf, plan, vit, ddp and gpu: run on D, "
+                       "cpu (default; gpu: cuda) or cuda (ddp: two GPUs); the JSON records the GPU")
+    bench.add_argument("--hidden", type=int, metavar="N", help="encoder-layer only: the layer's width, FFN 4N, 16 heads "
+                       "(default 128, the article's; 1024: Transformer-big)")
+    bench.add_argument("--nproc", type=int, metavar="N", help="vit only: processes, 1 or 2 (default 2 on cpu, the "
+                       "article's data parallel; 1 on cuda)")
     bench.set_defaults(func=_cmd_bench)
 
     plan = sub.add_parser(
@@ -285,10 +291,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"{name:16s} {text}")
         return 0 if args.list else EXIT_USAGE
     try:
-        check_benchmark(args.name, family=args.family, device=args.device)
+        check_benchmark(args.name, family=args.family, device=args.device, hidden=args.hidden, nproc=args.nproc)
     except (KeyError, ValueError) as exc:
         raise _UsageError(exc.args[0]) from None
-    run_benchmark(args.name, args.out, quick=args.quick, family=args.family, device=args.device)
+    run_benchmark(args.name, args.out, quick=args.quick, family=args.family, device=args.device, hidden=args.hidden,
+                  nproc=args.nproc)
     return 0
 
 

@@ -68,6 +68,20 @@ def test_docs_keep_one_section_a_benchmark_and_the_latest_run(tmp_path):
     assert "Measured " in text and " UTC" in text
 
 
+def test_a_section_of_a_written_page_is_replaced_in_place_and_the_page_kept(tmp_path):
+    """docs/gpu.md is prose with kiln bench gpu's section in it: a run replaces the section where it
+    stands and leaves every other line of the page as it was."""
+    page = tmp_path / "gpu.md"
+    head, tail = "# kiln on GPUs\n\nprose before\n\n", "\n## Runs\n\nprose after\n"
+    page.write_text(head + "<!-- kiln bench made-up -->\nnot run yet\n<!-- /kiln bench made-up -->\n" + tail)
+    run(tmp_path / "a", docs=page, scale=1.0)
+    run(tmp_path / "a", docs=page, scale=7.0)
+    text = page.read_text()
+    assert text.startswith(head + "<!-- kiln bench made-up -->\n## kiln bench made-up\n") and text.endswith(
+        "<!-- /kiln bench made-up -->\n" + tail)
+    assert text.count("## kiln bench made-up") == 1 and "not run yet" not in text and "7.00" in text
+
+
 def test_interleaved_takes_turns_and_paired_ratios_are_per_round():
     calls = []
     times = h.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2,
@@ -147,4 +161,31 @@ def test_device_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
         check_benchmark("ddp", device="cuda")
     assert check_benchmark("encoder-layer", device="cuda") == {"device": "cuda"}
     assert check_benchmark("optimizer", device="cpu") == {"device": "cpu"}
+    assert check_benchmark("gpu") == {"device": "cuda"}  # kiln bench gpu: on the GPU unless told
     assert list(tmp_path.iterdir()) == []  # no output folder was made
+
+
+def test_hidden_and_nproc_are_checked_and_refused_where_not_taken(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from kiln.bench import check_benchmark
+    from kiln.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, words in ((["vit", "--hidden", "1024"], ("takes no --hidden (only: encoder-layer)",)),
+                        (["encoder-layer", "--nproc", "1"], ("takes no --nproc (only: vit)",)),
+                        (["encoder-layer", "--hidden", "1000"], ("--hidden 1000", "multiple of its 16 heads")),
+                        (["vit", "--nproc", "4"], ("--nproc 4", "1 process or 2")),
+                        (["gpu"], ("sees no CUDA device", "kiln bench gpu --device cpu tests the script"))):
+        assert main(["bench", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert check_benchmark("encoder-layer", hidden=1024) == {"hidden": 1024}
+    assert check_benchmark("vit", nproc=1) == {"nproc": 1}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="runs one process on one GPU"):
+        check_benchmark("vit", device="cuda", nproc=2)
+    assert check_benchmark("vit", device="cuda") == {"device": "cuda"}
+    assert list(tmp_path.iterdir()) == []

@@ -42,6 +42,17 @@ def test_encoder_layer_bench_quick(tmp_path):
     assert (tmp_path / "encoder-layer.png").stat().st_size > 0
 
 
+def test_encoder_layer_bench_quick_at_another_width(tmp_path):
+    """--hidden N: every variant is the layer at width N, FFN 4N, 16 heads (a tiny 64 here;
+    kiln bench gpu runs 1024, Transformer-big's, on a GPU)."""
+    report = run_benchmark("encoder-layer", tmp_path, quick=True, hidden=64)
+    assert {k: report["setup"][k] for k in ("hidden", "ffn", "heads", "batch", "seq")} == \
+        {"hidden": 64, "ffn": 256, "heads": 16, "batch": 10, "seq": 80}
+    assert "(hidden 64, FFN 256, 16 heads, batch 10 x 80)" in (tmp_path / "encoder-layer.txt").read_text()
+    for name, r in report["results"].items():
+        assert r["ms_per_step"]["total"] > 0, name
+
+
 def test_memory_bench_quick(tmp_path):
     assert "memory" in BENCHMARKS
     run_benchmark("memory", tmp_path, quick=True)

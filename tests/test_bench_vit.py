@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kiln.bench import BENCHMARKS, run_benchmark
-from kiln.bench.vit import BATCH, rows
+from kiln.bench.vit import BATCH, GPU_CONFIG, SIZES, check_nproc, rows
 
 # (precision, pool, batch_first, optimizer, zero, compile): what each row of the article's table is
 CLAIMED = [
@@ -42,6 +42,107 @@ def test_each_row_adds_what_it_claims(quick):
         changed = sorted(k for k in row["keys"] if row["keys"][k] != before["keys"].get(k))
         assert changed == row["changed"], row["name"]
         assert len(changed) == 1 or row["name"].startswith(("+ batch", "+ bf16-true")), row["name"]
+
+
+@pytest.mark.parametrize("device, quick", [("cpu", True), ("cuda", True), ("cuda", False)])
+def test_on_one_device_fsdp_is_marked_not_applicable_and_nothing_is_sharded(device, quick):
+    """One GPU (or --nproc 1) is one data-parallel rank: row 3 stays in the table, marked and not
+    run, and no row claims a sharding it cannot have (ZeRO-3 and ZeRO-2 at dp=1 shard nothing)."""
+    table = rows(quick, device, nproc=1)
+    # the article's rows, in its order (row 8 names its batch)
+    def named(t: list) -> list:
+        return [r["name"] if not r["name"].startswith("+ batch") else "+ batch" for r in t]
+
+    assert named(table) == named(rows(quick)) and table[7]["name"].startswith("+ batch")
+    fsdp = table[2]
+    assert fsdp["name"] == "+ FSDP" and fsdp["skip"].startswith("not applicable on one device")
+    assert [r for r in table if "skip" in r] == [fsdp]
+    assert fsdp["keys"] == table[1]["keys"] and fsdp["changed"] == []
+    assert {r["keys"]["parallel.zero"] for r in table} == {0}
+    assert table[8]["name"] == "+ bf16-true" and table[8]["changed"] == ["train.precision"]
+    assert len({r["keys"]["data.batch_size"] * r["keys"]["train.max_steps"] for r in table}) == 1
+    compiled = [r["name"] for r in table if r["keys"]["train.compile"]]
+    # a GPU's quick form compiles ViT-B/16 once, in its own row; a full run compiles from row 7 on
+    assert compiled == (["+ torch.compile"] if device == "cuda" and quick else [r["name"] for r in table[6:]])
+    for before, row in zip(table, table[1:]):
+        assert row["changed"] == sorted(k for k in row["keys"] if row["keys"][k] != before["keys"][k]), row["name"]
+
+
+def test_the_gpu_table_is_vit_b16_at_batch_128_on_one_process():
+    sizes = SIZES["cuda"]
+    assert sizes.config == GPU_CONFIG and (sizes.batch, sizes.large_batch) == (128, 256)
+    table = rows(device="cuda")
+    assert [r["keys"]["data.batch_size"] for r in table] == [128] * 7 + [256] * 2
+    assert "DDP" not in table[0]["adds"] and "one process" in table[0]["adds"]
+    assert rows(device="cuda") == rows(device="cuda", nproc=1)
+
+
+def test_nproc_is_1_or_2_and_1_on_a_gpu():
+    assert check_nproc(1, "cuda") == 1 and check_nproc(2) == 2 and check_nproc(1) == 1
+    with pytest.raises(ValueError, match="1 process or 2"):
+        check_nproc(3)
+    with pytest.raises(ValueError, match="runs one process on one GPU"):
+        check_nproc(2, "cuda")
+
+
+def test_a_quick_table_in_this_process_leaves_compile_on_after_it():
+    """--nproc 1 runs the rows in the calling process: --quick's eager compile and optimizer are
+    switched off again after it."""
+    import os
+
+    from torch._dynamo import config as dynamo_config
+
+    from kiln.bench.vit import _eager
+
+    assert "KILN_OPTIM_EAGER" not in os.environ and not dynamo_config.disable
+    with _eager(True):
+        assert os.environ["KILN_OPTIM_EAGER"] == "1" and dynamo_config.disable
+    assert "KILN_OPTIM_EAGER" not in os.environ and not dynamo_config.disable
+    with _eager(False):
+        assert "KILN_OPTIM_EAGER" not in os.environ and not dynamo_config.disable
+
+
+def test_a_gpu_s_rows_load_in_workers_unless_shared_memory_cannot_hold_their_batches(monkeypatch):
+    from collections import namedtuple
+
+    from kiln.bench import vit
+
+    assert vit.loader_workers("cpu", SIZES["cpu"]) == (0, "")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(vit.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    assert vit.loader_workers("cuda", SIZES["cuda"]) == ("auto", "")  # configs/vit_b16.py's
+    monkeypatch.setattr(vit.shutil, "disk_usage", lambda path: usage(2**26, 0, 2**26))  # a container's 64 MB
+    workers, why = vit.loader_workers("cuda", SIZES["cuda"])
+    assert workers == 0 and why.startswith("data.workers=0: /dev/shm has 64 MB free")
+
+
+# the GPU table's model and data (configs/vit_b16.py: 3 channels, 1000 classes), shrunk to run here
+TINY_B16 = {"model.image_size": 32, "data.args.image_size": 32, "model.patch_size": 8, "model.dim": 32,
+            "model.depth": 1, "model.heads": 2, "data.args.num_samples": 256, "data.args.val_samples": 32,
+            "optim.schedule": "constant"}
+
+
+@pytest.mark.e2e  # eight kiln train runs of 16 steps in this process: 30-40 s on the 2 shared cores (load 7)
+def test_the_gpu_table_runs_in_one_process_on_a_cpu_at_tiny_sizes(tmp_path):
+    """What `kiln bench vit --device cuda` runs, the ViT-B/16 config with the GPU's steps and rows,
+    in one process, at a tiny width, image size and batch, on the CPU (there is no GPU here)."""
+    import dataclasses
+
+    from kiln.bench import vit
+
+    sizes = dataclasses.replace(SIZES["cuda"], quick_keys=TINY_B16, batch=32, large_batch=64)
+    report = vit.run(tmp_path, quick=True, device="cpu", nproc=1, sizes=sizes)
+    assert report["setup"]["processes"] == 1 and report["setup"]["config"] == "configs/vit_b16.py"
+    r = report["rows"]
+    assert [row["name"] for row in r] == [row["name"] for row in rows(True, "cuda", 1, sizes)]
+    assert r[2]["skipped"].startswith("not applicable") and r[2]["samples_per_s"] is None and r[2]["speedup"] is None
+    assert "not applicable on one device" in (tmp_path / "vit.txt").read_text()
+    for row in r[:2] + r[3:]:
+        assert row["samples_per_s"] > 0 and row["peak_mb"] > 0, row["name"]
+        assert row["config"]["train.compile"] == (row["name"] == "+ torch.compile"), row["name"]
+        assert row["config"]["parallel.zero"] == 0 and row["config"]["train.device"] == "cpu"
+        assert row["steps"] == (8 if row["config"]["data.batch_size"] == 64 else 16), row["name"]
+    assert r[3]["vs_previous"] == pytest.approx(r[3]["samples_per_s"] / r[1]["samples_per_s"])  # over row 2
 
 
 @pytest.mark.distributed  # nine kiln train runs in 2 gloo processes: 136-249 s on the 2 shared cores (load 11-23)

@@ -143,6 +143,29 @@ def test_synthetic_images_learnable_by_a_linear_model():
     assert acc > 0.6  # chance is 0.1
 
 
+def test_synthetic_images_up_to_8_pixels_are_the_data_they_always_were():
+    """Labels pinned from the builder before large images were labelled from a grid of cells."""
+    small = build_dataset("synthetic_images", seed=3, num_samples=64, val_samples=16, image_size=6, channels=3,
+                          num_classes=4)
+    assert _tensors(small.train)[1][:12].tolist() == [1, 0, 3, 0, 2, 2, 2, 2, 3, 2, 3, 3]
+    default = build_dataset("synthetic_images", seed=3, num_samples=64, val_samples=16)
+    assert _tensors(default.train)[1][:12].tolist() == [7, 6, 6, 6, 2, 1, 9, 1, 0, 0, 6, 1]
+
+
+def test_large_synthetic_images_are_labelled_from_8x8_cells_and_stay_learnable():
+    """ImageNet's shape costs a teacher of 3 x 8 x 8 weights a class, not 3 x 224 x 224 (150 M at
+    1000 classes); the labels are still a linear function of the image, here of its cells' means."""
+    big = build_dataset("synthetic_images", seed=0, image_size=224, channels=3, num_classes=1000, num_samples=4,
+                        val_samples=2)
+    assert big.input_shape == (3, 224, 224) and big.num_classes == 1000 and len(big.train) == 4
+    s = build_dataset("synthetic_images", seed=0, image_size=32, channels=1, num_classes=4, num_samples=2048,
+                      val_samples=512)
+    (x, y), (xv, yv) = _tensors(s.train), _tensors(s.val)
+    cells = lambda images: torch.nn.functional.adaptive_avg_pool2d(images, 8).flatten(1).double()  # noqa: E731
+    w = torch.linalg.lstsq(cells(x), torch.nn.functional.one_hot(y, 4).double()).solution
+    assert ((cells(xv) @ w).argmax(1) == yv).double().mean().item() > 0.6  # chance is 0.25
+
+
 def test_synthetic_tokens_targets_are_shifted_inputs():
     s = build_dataset("synthetic_tokens", seed=0, num_samples=64, seq_len=16, vocab_size=50, val_samples=8)
     assert s.task == "lm" and s.num_classes == 50 and s.input_shape == (16,)

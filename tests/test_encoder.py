@@ -188,3 +188,18 @@ def test_config_errors():
     ref = nn.TransformerEncoderLayer(32, 4, 64, norm_first=False)
     with pytest.raises(ValueError, match="norm_first"):
         EncoderLayer(EncoderLayerConfig(hidden=32, ffn=64, heads=4)).load_torch_layer(ref)
+
+
+def test_the_benchmark_builds_transformer_big_at_hidden_1024():
+    """kiln bench encoder-layer --hidden 1024: every variant is seed 000's Transformer-big layer
+    (hidden 1024, FFN 4096, 16 heads: 12,596,224 parameters) from the same weights."""
+    from kiln.bench.encoder_layer import _build
+
+    variants = _build(quick=True, notes=[], hidden=1024)
+    assert [v.name for v in variants] == ["a", "b", "c-fp32-eager", "c-fp32", "c-eager", "c"]
+    assert {sum(p.numel() for p in v.module.parameters()) for v in variants} == {12_596_224}
+    torch_layer, kiln_layer = variants[0].module.eval(), variants[2].module.eval()
+    assert torch_layer.linear1.weight.shape == (4096, 1024) and torch_layer.self_attn.num_heads == 16
+    x = torch.randn(2, 5, 1024, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(kiln_layer(x), torch_layer(x), rtol=1e-4, atol=1e-4)

@@ -323,3 +323,24 @@ def test_published_sizes_by_config(config, count):
         model = build_model(cfg.model)
     assert sum(p.numel() for p in model.parameters()) == count
     assert model.head.out.weight is model.embed.tok.weight  # tied, counted once
+
+
+def test_vit_b16_config_is_the_published_vit_b16_on_images_of_its_shape():
+    """configs/vit_b16.py (kiln bench vit --device cuda): timm's vit_base_patch16_224 has
+    86,567,656 parameters; its data are 3 x 224 x 224 images of 1000 classes."""
+    from pathlib import Path
+
+    from kiln.config import load_config
+    from kiln.data import dataset_signature
+    from kiln.train._build import build_model
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "vit_b16.py")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) == 86_567_656
+    assert (model.cfg.patch_size, model.cfg.dim, model.cfg.depth, model.cfg.heads) == (16, 768, 12, 12)
+    assert model.blocks[0].mlp.fc1.out_features == 3072 and model.cfg.num_patches == 196
+    args = dict(cfg.data.args)
+    assert cfg.data.name == "synthetic_images" and "image_size" in dataset_signature(cfg.data.name).parameters
+    data = (args["channels"], args["image_size"], args["num_classes"])
+    assert data == (3, 224, 1000) == (model.cfg.in_channels, model.cfg.image_size, model.cfg.num_classes)

@@ -28,7 +28,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ddp": ("kiln.bench.ddp", "data parallel, 2 processes x 1 thread: torch DDP + fused AdamW vs kiln sync, overlapped and ZeRO-2 (ViT, small GPT, 25 M GPT): samples/s, comm ms/step, share hidden by compute"),
     "hf": ("kiln.bench.hf", "a Hugging Face GPT-2 trained by kiln train (fp32, compile, bf16-mixed) vs the transformers Trainer: samples/s"),
     "parallel": ("kiln.bench.parallel", "dp x tp x pp layouts for GPT and BERT, or --family llama (LiBai-style): samples/s, per-rank state and peak memory, comm ms, pipeline bubble"),
-    "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, compile, batch, bf16-true"),
+    "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, "
+            "compile, batch, bf16-true (digits ViT on CPU, ViT-B/16 at 224 pixels with --device cuda)"),
     "plan": ("kiln.bench.plan", "kiln plan's predicted peak memory of a training step against the allocator's record: "
              "5 model families x precision x activation checkpointing x micro-batch x layouts (ZeRO 0-3, tp, pp, tp x pp)"),
     "lm": ("kiln.bench.lm", "GPT-2 small (124 M) trained by kiln train (default, compile) vs the loop nanoGPT writes: "
@@ -36,13 +37,19 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("kiln.bench.overhead", "host time per step on a model whose compute is negligible (7 K-parameter MLP, batch 8): "
                  "kiln train vs the plain loop, microseconds"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
+    "gpu": ("kiln.bench.gpu", "what to run when a GPU is lent: lm, vit, encoder-layer --hidden 1024, hf, optimizer and plan "
+            "in their quick forms on one GPU, in at most 8 minutes, into docs/gpu.md (--device cpu: a test of it)"),
 }
 
 # what a benchmark needs beyond kiln's own dependencies, and the extra that installs it
 NEEDS: dict[str, tuple[tuple[str, ...], str]] = {"hf": (("transformers", "accelerate"), "bench")}
 # the benchmarks that take --device (their measure(quick, device=...)), and how many devices
 # of that kind each needs
-ON_DEVICE: dict[str, int] = {"optimizer": 1, "overhead": 1, "lm": 1, "encoder-layer": 1, "hf": 1, "ddp": 2, "plan": 1}
+ON_DEVICE: dict[str, int] = {"optimizer": 1, "overhead": 1, "lm": 1, "encoder-layer": 1, "hf": 1, "ddp": 2, "plan": 1, "vit": 1, "gpu": 1}
+# the device of those whose --device does not default to cpu
+DEFAULT_DEVICE: dict[str, str] = {"gpu": "cuda"}
+# the page a full run writes its section of, where not docs/benchmarks.md
+DOCS_PAGE: dict[str, str] = {"gpu": "gpu.md"}
 
 
 def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
@@ -79,11 +86,23 @@ def check_device(device: str, count: int = 1) -> str:
     return kind
 
 
-def check_benchmark(name: str, family: str | None = None, device: str | None = None) -> dict[str, Any]:
+def _takes(run: Callable[..., Any], option: str) -> list[str]:
+    """The benchmarks whose ``run`` takes ``option``, if ``run`` does not (for the refusal)."""
+    import inspect
+
+    if option in inspect.signature(run).parameters:
+        return []
+    return [n for n in BENCHMARKS if option in inspect.signature(get_benchmark(n)).parameters]
+
+
+def check_benchmark(name: str, family: str | None = None, device: str | None = None, hidden: int | None = None,
+                    nproc: int | None = None) -> dict[str, Any]:
     """The options ``run`` of benchmark ``name`` takes besides ``quick``, checked: KeyError for
     an unknown name, ValueError for an option it does not take or a bad value. ``family``: the
     model families of a benchmark that takes them (``parallel``); ``device``: where the
-    benchmarks of :data:`ON_DEVICE` run (default cpu)."""
+    benchmarks of :data:`ON_DEVICE` run (default cpu; :data:`DEFAULT_DEVICE` for ``gpu``);
+    ``hidden``: the encoder layer's width (``encoder-layer``); ``nproc``: processes, one device
+    each (``vit``)."""
     run = get_benchmark(name)
     modules, extra = NEEDS.get(name, ((), ""))
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
@@ -91,31 +110,52 @@ def check_benchmark(name: str, family: str | None = None, device: str | None = N
         raise ValueError(f"kiln bench {name} needs {' and '.join(missing)}, not installed here: "
                          f"pip install 'kiln[{extra}]'")
     options: dict[str, Any] = {}
+    for option, value in (("family", family), ("hidden", hidden), ("nproc", nproc)):
+        others = _takes(run, option) if value is not None else []
+        if others:
+            raise ValueError(f"kiln bench {name} takes no --{option} (only: {', '.join(others)})")
     if family is not None:
-        import inspect
-
-        if "family" not in inspect.signature(run).parameters:
-            raise ValueError(f"kiln bench {name} takes no --family (only: parallel)")
         from kiln.bench.parallel import check_family
 
         check_family(family)
         options["family"] = family
+    if hidden is not None:
+        from kiln.bench.encoder_layer import check_hidden
+
+        options["hidden"] = check_hidden(hidden)
+    if device is None:
+        device = DEFAULT_DEVICE.get(name)
     if device is not None:
         if name not in ON_DEVICE:
             raise ValueError(f"kiln bench {name} takes no --device (only: {', '.join(ON_DEVICE)}); it runs on the CPU")
-        options["device"] = check_device(device, ON_DEVICE[name])
+        try:
+            options["device"] = check_device(device, ON_DEVICE[name])
+        except ValueError as exc:
+            if name != "gpu":
+                raise
+            raise ValueError(f"{exc.args[0]}; kiln bench gpu --device cpu tests the script on a CPU") from None
+    if nproc is not None:
+        from kiln.bench.vit import check_nproc
+
+        options["nproc"] = check_nproc(nproc, options.get("device", "cpu"))
     return options
 
 
 def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = False,
-                  family: str | None = None, device: str | None = None) -> dict[str, Any]:
+                  family: str | None = None, device: str | None = None, hidden: int | None = None,
+                  nproc: int | None = None) -> dict[str, Any]:
     """Run benchmark ``name`` into ``out_dir`` (default ``bench_results/NAME``); a bad name or
     option, or a missing package, is refused (:func:`check_benchmark`) before the folder is made.
     A full run (not ``quick``) also writes its section of ``docs/benchmarks.md`` (a section of
-    its own per device: ``kiln bench NAME --device cuda``)."""
+    its own per device: ``kiln bench NAME --device cuda``; ``kiln bench gpu``'s is in
+    ``docs/gpu.md``, and only a run on a GPU writes it)."""
     from kiln.bench._harness import DOCS
 
-    options = check_benchmark(name, family, device)
+    options = check_benchmark(name, family, device, hidden, nproc)
     out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
-    docs = DOCS if not quick and DOCS.parent.is_dir() else None  # (no docs/ beside an installed kiln)
+    page = DOCS.with_name(DOCS_PAGE.get(name, DOCS.name))
+    # (no docs/ beside an installed kiln; kiln bench gpu on a CPU is a test of its script, and docs/gpu.md
+    # holds what GPUs measured)
+    gpu_test = name == "gpu" and options.get("device") == "cpu"
+    docs = page if not quick and page.parent.is_dir() and not gpu_test else None
     return get_benchmark(name)(out, quick=quick, docs=docs, **options)

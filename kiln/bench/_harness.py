@@ -14,7 +14,8 @@ which owns everything else, written once here:
   and the notes; the same text in ``NAME.txt``, the JSON in ``NAME.json``, the chart in
   ``NAME.png``;
 - with ``docs=PATH`` (a full run of ``kiln bench NAME``): the report as the benchmark's own
-  section of ``docs/benchmarks.md``, replacing the one an earlier run wrote.
+  section of ``docs/benchmarks.md`` (``kiln bench gpu``'s: of ``docs/gpu.md``), replacing the one
+  an earlier run wrote and keeping the rest of the page.
 
 Timing helpers for the benchmarks: :func:`time_ms` (median of repeats), :func:`interleaved`
 (the methods take turns, so that drifting load hits all alike; each call timed to the end of
@@ -31,7 +32,6 @@ import functools
 import inspect
 import json
 import os
-import re
 import resource
 import statistics
 import time
@@ -207,7 +207,9 @@ class Result:
     """What ``measure`` returns. ``report``: the JSON's own keys (the harness adds ``machine``,
     ``load_average``, ``seconds``, ``measured_at``, ``notes`` and ``targets``). ``threads``: torch's
     intra-op threads per process, where the benchmark sets them (its processes, its loaders);
-    ``processes``: how many cores it keeps busy, for the load note."""
+    ``processes``: how many cores it keeps busy, for the load note. ``texts``: reports made
+    elsewhere, printed as they are after the tables (``kiln bench gpu``: those of the
+    benchmarks it ran)."""
 
     report: dict[str, Any]
     tables: list[Table]
@@ -217,6 +219,7 @@ class Result:
     notes: list[str] = dataclasses.field(default_factory=list)
     threads: int | None = None
     processes: int = 1
+    texts: list[str] = dataclasses.field(default_factory=list)  # printed as they are after the tables
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -252,7 +255,7 @@ def _publish(name: str, out: Path, result: Result, docs: Path | None, load: tupl
               "measured_at": when}
     section = section or name
     text = "\n\n".join([f"kiln bench {section}: {result.title}\nmachine: {machine_line(machine)}",
-                        *(t.text() for t in result.tables),
+                        *(t.text() for t in result.tables), *result.texts,
                         "\n".join([*(f"target {k}: {t['value']:.3g} ({'at least' if t['higher_is_better'] else 'at most'}"
                                      f" {t['limit']:g}): {'met' if t['met'] else 'MISSED'}"
                                      for k, t in result.targets.items()),
@@ -301,9 +304,16 @@ docstring of its module, `kiln/bench/NAME.py` (with `_` for `-`).
 
 
 def _write_docs(path: Path, name: str, text: str, when: str) -> None:
-    old = path.read_text() if path.exists() else ""
-    sections = dict(re.findall(r"<!-- kiln bench (.+?) -->\n(.*?)<!-- /kiln bench \1 -->\n", old, re.S))
-    sections[name] = f"## kiln bench {name}\n\n{when}\n\n```text\n{text}\n```\n"
-    body = "".join(f"\n<!-- kiln bench {n} -->\n{s}<!-- /kiln bench {n} -->\n" for n, s in sorted(sections.items()))
+    """Write the report as the section ``kiln bench NAME`` of ``path``: in place of the one an
+    earlier run wrote, else after the rest of the page; what lies outside the sections (a page's
+    own prose, docs/gpu.md's) is kept as it is."""
+    marks = f"<!-- kiln bench {name} -->\n", f"<!-- /kiln bench {name} -->\n"
+    section = f"{marks[0]}## kiln bench {name}\n\n{when}\n\n```text\n{text}\n```\n{marks[1]}"
+    old = path.read_text() if path.exists() else _DOCS_HEAD
+    start, end = old.find(marks[0]), old.find(marks[1])
+    if start >= 0 and end > start:
+        new = old[:start] + section + old[end + len(marks[1]):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_DOCS_HEAD + body)
+    path.write_text(new)

@@ -33,10 +33,18 @@ dropout, the activation and the residual adds into few loops.
 ``--device cuda`` runs every variant on the GPU, as the article ran them on a V100 (bf16 where
 the GPU computes it natively, from Ampere on; each phase timed to the end of its kernels).
 
-``--quick`` is a smoke run: a batch of 10 sequences, no warm-up steps, two timed steps, and
-``c`` and ``c-fp32`` not compiled.
+``--hidden N`` sets the layer's width, the FFN at 4N and the heads at 16 as before:
+``--hidden 1024`` is the Transformer-big layer (hidden 1024, FFN 4096, 16 heads) that seed 000's
+comparison reports on a GPU. The article's layer (hidden 128) is launch-bound on a GPU (every
+variant 2.5-3.6 ms a step on an H200, docs/gpu.md); at 1024 the matrix products are the step.
+The batch stays the article's 50 x 80 tokens.
+
+``--quick`` is a smoke run: no warm-up steps, two timed steps, and ``c`` and ``c-fp32`` not
+compiled; on a CPU a batch of 10 sequences. On a GPU it keeps the batch of 50 and times 3 warm-up
+and 20 steps: the quick form ``kiln bench gpu`` runs.
 
     python -m kiln bench encoder-layer        # or run(Path("out"), quick=True)
+    kiln bench encoder-layer --device cuda --hidden 1024
 """
 
 from __future__ import annotations
@@ -57,9 +65,9 @@ from kiln.models.encoder import EncoderLayer
 
 __all__ = ["run", "measure"]
 
-HIDDEN, FFN, HEADS, DROPOUT = 128, 512, 16, 0.1
+HIDDEN, HEADS, DROPOUT = 128, 16, 0.1  # the FFN is 4 x hidden (512 here)
 BATCH, SEQ = 50, 80
-QUICK_BATCH = 10  # --quick: a smoke run of every variant, a fifth of the tokens
+QUICK_BATCH = 10  # --quick on a CPU: a smoke run of every variant, a fifth of the tokens
 LR = 1e-3
 PHASES = ("forward", "backward", "step")
 
@@ -103,14 +111,24 @@ class _Variant:
         return {"label": self.label, "ms_per_step": ms, "first_step_seconds": self.first_step_s}
 
 
-def _build(quick: bool, notes: list[str], device: str = "cpu") -> list[_Variant]:
+def check_hidden(hidden: int) -> int:
+    """``hidden`` if a layer of that width can have :data:`HEADS` heads; a ValueError that says
+    what would do otherwise."""
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < HEADS or hidden % HEADS:
+        raise ValueError(f"--hidden {hidden!r}: the layer's width must be a multiple of its {HEADS} heads "
+                         f"(the article's {HIDDEN}; Transformer-big's 1024)")
+    return hidden
+
+
+def _build(quick: bool, notes: list[str], device: str = "cpu", hidden: int = HIDDEN) -> list[_Variant]:
     torch.manual_seed(0)
-    reference = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=DROPOUT, batch_first=True, norm_first=True)
+    ffn = 4 * hidden
+    reference = nn.TransformerEncoderLayer(hidden, HEADS, ffn, dropout=DROPOUT, batch_first=True, norm_first=True)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     reference.to(device)
 
     def torch_layer() -> nn.TransformerEncoderLayer:
-        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=DROPOUT, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(hidden, HEADS, ffn, dropout=DROPOUT, batch_first=True, norm_first=True)
         layer.load_state_dict(state)
         return layer.to(device)
 
@@ -137,13 +155,15 @@ def _build(quick: bool, notes: list[str], device: str = "cpu") -> list[_Variant]
     return variants
 
 
-def measure(quick: bool = False, device: str = "cpu") -> Result:
+def measure(quick: bool = False, device: str = "cpu", hidden: int = HIDDEN) -> Result:
     """Time the variants, forward, backward and step apart, in interleaved rounds."""
     notes: list[str] = []
-    variants = _build(quick, notes, device)
-    batch = QUICK_BATCH if quick else BATCH
-    x = torch.randn(batch, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device)  # (B, T, C)
-    warmup, steps, rounds = (0, 2, 1) if quick else (5, 60, 4)
+    variants = _build(quick, notes, device, check_hidden(hidden))
+    ffn = 4 * hidden
+    # a GPU runs the article's batch in milliseconds: its quick form keeps it
+    batch = QUICK_BATCH if quick and device == "cpu" else BATCH
+    x = torch.randn(batch, SEQ, hidden, generator=torch.Generator().manual_seed(1)).to(device)  # (B, T, C)
+    warmup, steps, rounds = ((0, 2, 1) if device == "cpu" else (3, 20, 2)) if quick else (5, 60, 4)
     for v in variants:
         # The first step includes compilation for c; it is reported, not timed with the rest.
         _, v.first_step_s = timed_first_call(lambda v=v: v.step(x, record=False))
@@ -169,17 +189,18 @@ def measure(quick: bool = False, device: str = "cpu") -> Result:
             *(Col(f"{k} ms", lambda r, k=k: r["ms_per_step"][k], ".1f") for k in (*PHASES, "total")),
             *(Col(f"{k} x a", lambda r, k=k: r["speedup_vs_a"][k], ".2f") for k in (*PHASES, "total"))]
     notes.append(f"best variant: {best}, {speedup:.2f}x a per iteration; ms per step = seconds per 1000 steps")
-    report = {"setup": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "dropout": DROPOUT, "batch": batch, "seq": SEQ,
+    report = {"setup": {"hidden": hidden, "ffn": ffn, "heads": HEADS, "dropout": DROPOUT, "batch": batch, "seq": SEQ,
                         "lr": LR, "steps": steps, "warmup": warmup, "quick": quick, "compiled": not quick,
                         "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
                         **({"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {})},
               "unit": "ms per step (= seconds per 1000 steps), median", "results": results}
-    chart = [Bars(f"encoder layer {HIDDEN}/{FFN}/{HEADS}, batch {batch} x {SEQ}, dropout {DROPOUT}", rows, "name",
+    chart = [Bars(f"encoder layer {hidden}/{ffn}/{HEADS}, batch {batch} x {SEQ}, dropout {DROPOUT}", rows, "name",
                   {phase: lambda r, p=phase: r["ms_per_step"][p] for phase in PHASES}, "seconds per 1000 steps",
                   stacked=True, horizontal=True)]
     where = "" if device == "cpu" else f" on the GPU ({torch.cuda.get_device_name(0)})"
-    return Result(report, [Table(rows, cols)], f"one pre-LN encoder layer, torch against kiln{where}", chart, targets,
-                  notes)
+    size = f"hidden {hidden}, FFN {ffn}, {HEADS} heads, batch {batch} x {SEQ}"
+    return Result(report, [Table(rows, cols)], f"one pre-LN encoder layer ({size}), torch against kiln{where}", chart,
+                  targets, notes)
 
 
 run = benchmark("encoder-layer", measure)
