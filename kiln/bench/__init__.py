@@ -45,7 +45,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 NEEDS: dict[str, tuple[tuple[str, ...], str]] = {"hf": (("transformers", "accelerate"), "bench")}
 # the benchmarks that take --device (their measure(quick, device=...)), and how many devices
 # of that kind each needs
-ON_DEVICE: dict[str, int] = {"optimizer": 1, "overhead": 1, "lm": 1, "encoder-layer": 1, "hf": 1, "ddp": 2, "plan": 1, "vit": 1, "gpu": 1}
+ON_DEVICE: dict[str, int] = {"optimizer": 1, "overhead": 1, "lm": 1, "encoder-layer": 1, "hf": 1, "ddp": 2, "plan": 1,
+                             "vit": 1, "gpu": 1}
 # the device of those whose --device does not default to cpu
 DEFAULT_DEVICE: dict[str, str] = {"gpu": "cuda"}
 # the page a full run writes its section of, where not docs/benchmarks.md
