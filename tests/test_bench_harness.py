@@ -150,7 +150,7 @@ def test_device_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv, words in ((["optimizer", "--device", "cuda"], ("sees no CUDA device", "kiln doctor")),
-                        (["zero", "--device", "cuda"], ("takes no --device", "optimizer, encoder-layer, hf, ddp")),
+                        (["zero", "--device", "cuda"], ("takes no --device", "optimizer", "encoder-layer", "hf", "ddp")),
                         (["hf", "--device", "tpu0"], ("not a device torch knows",))):
         assert main(["bench", *argv]) == 2
         err = capsys.readouterr().err.strip()

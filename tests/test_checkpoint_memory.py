@@ -17,7 +17,7 @@ import kiln.optim as ko
 from kiln._profiling import profiled
 from kiln.models import create_model
 from kiln.parallel import load_sharded, save_sharded
-from kiln.train._memory import _running_peak
+from kiln.train.parts import running_peak
 
 ARCH = dict(vocab_size=4096, seq_len=16, dim=128, depth=2, heads=2, tie_embeddings=True)
 
@@ -49,7 +49,7 @@ def test_a_save_allocates_under_5_percent_of_the_state_and_resumes_to_the_bit(tm
     assert state > 10 * 2**20  # the parameters and two AdamW moments of 0.92 M parameters
     with profiled(profile_memory=True) as prof:
         save_sharded(tmp_path / "ck", model, opt, {"step": 1})
-    allocated = _running_peak(prof)
+    allocated = running_peak(prof)
     assert allocated <= 0.05 * state, f"the save allocated {allocated / state:.1%} of the state's bytes"
 
     resumed, resumed_opt = _build()

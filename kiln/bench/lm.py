@@ -106,8 +106,7 @@ def _lr_factor(optim: Any, total: int):
 
 def _plain_row(cfg: Any, size: dict[str, Any], device: torch.device, out: str) -> dict[str, Any]:
     from kiln.config import instantiate
-    from kiln.train._build import build_data
-    from kiln.train._memory import TensorMemory
+    from kiln.train.parts import TensorMemory, build_data
 
     tc, oc = cfg.train, cfg.optim
     if tc.threads:

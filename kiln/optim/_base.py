@@ -257,14 +257,9 @@ class ArenaOptimizer(Optimizer):
     # -- state dict -----------------------------------------------------------------------------
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """torch.optim's layout (state[index] = {'step': ..., 'exp_avg': ...}); tensors are
-        copies, so loading them elsewhere never aliases the arena. Sharded: each state tensor
-        is this rank's piece of it, flat (empty where the rank holds none of the parameter),
-        and ``"pieces"`` holds :meth:`shard_pieces`; a full dict is a gather of every rank's
-        (``kiln.parallel.ZeroOptimizer.state_dict``).
-
-        ``copy=False``: the tensors are views of the arena's state, as torch.optim's own state
-        dict holds its state tensors, valid until the next step: what a checkpoint writes from,
-        without a second copy of the state in memory (a gigabyte at 124 M parameters)."""
+        copies (``copy=False``: views of the arena's state until the next step, what a checkpoint
+        writes from). Sharded: each state tensor is this rank's piece of it, flat, and
+        ``"pieces"`` holds :meth:`shard_pieces` (``kiln.parallel.ZeroOptimizer`` gathers a full one)."""
         sd = torch_method("state_dict")(self)
         if copy:
             sd["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
