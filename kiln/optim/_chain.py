@@ -31,16 +31,29 @@ place calls :func:`own` first, so that the gradient itself is never written.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
 from kiln.optim import _rules
 
-__all__ = ["Chain", "Transform", "Update", "add_decayed_weights", "chain", "decay_weights", "elementwise",
+__all__ = ["Chain", "Space", "Transform", "Update", "add_decayed_weights", "chain", "decay_weights", "elementwise",
            "heavy_ball", "learning_rate", "maximize", "own", "run", "scale_by_adam", "scale_by_trust_ratio"]
 
 Group = Mapping[str, Any]
+
+
+class Space(Protocol):
+    """Where a chain's numbers live, as its transforms' hyperparameters see it
+    (:class:`kiln.optim._flat.FlatSpace`, :class:`kiln.optim._lists.ListSpace`)."""
+
+    is1d: list[bool]  # per tensor: ndim <= 1
+
+    def per_tensor(self, values: Sequence[float]) -> Any:
+        """One value per tensor, laid out to broadcast over u (a (B, 1) column, a list)."""
+
+    def segment_mask(self, keep: Sequence[bool]) -> torch.Tensor:
+        """(S,) bool, one per tensor, beside the per-tensor norms."""
 
 
 class Update(NamedTuple):
@@ -67,7 +80,7 @@ class Transform(NamedTuple):
     the parameter-sized state buffers it keeps (``state(group)``)."""
 
     name: str
-    hyper: Callable[[Group, int, Any], dict[str, Any]]
+    hyper: Callable[[Group, int, Space], dict[str, Any]]
     update: Callable[[Any, Update, dict[str, Any]], Any] | None = None
     ratio: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
     state: Callable[[Group], tuple[str, ...]] = _keeps_nothing
@@ -93,16 +106,17 @@ class Chain(NamedTuple):
         """The state buffers the chain keeps for a group with these hyperparameters."""
         return tuple(name for t in self.transforms for name in t.state(group))
 
-    def hyper(self, group: Group, step: int, space: Any) -> tuple[dict[str, Any], ...]:
+    def hyper(self, group: Group, step: int, space: Space) -> tuple[dict[str, Any], ...]:
         """Each transform's hyperparameters for step number ``step`` (1 at the first step)."""
         return tuple(t.hyper(group, step, space) for t in self.transforms)
 
-    def hyper_named(self, group: Group, step: int, space: Any) -> dict[str, dict[str, Any]]:
+    def hyper_named(self, group: Group, step: int, space: Space) -> dict[str, dict[str, Any]]:
         """:meth:`hyper` by transform name (a fused kernel reads the values it needs)."""
         return {t.name: h for t, h in zip(self.transforms, self.hyper(group, step, space))}
 
 
 def chain(*transforms: Transform) -> Chain:
+    """The transforms, applied in order."""
     if sum(t.ratio is not None for t in transforms) > 1:
         raise ValueError("a chain holds at most one per-tensor transform (the flat runner splits it there)")
     return Chain(transforms)

@@ -106,8 +106,12 @@ def update(opt: Any, group: dict[str, Any], ps: list[torch.Tensor], key: Any) ->
     # torch.optim.SGD makes its momentum buffers at a parameter's first step (key 0: none yet)
     made = ({p: {n: torch.empty_like(p, memory_format=torch.preserve_format) for n in names} for p in ps}
             if names and not opt._has_step_state and key == 0 else {})
-    state = {n: as_real([(made.get(p) or opt.state[p])[n] for p in ps]) for n in names}
-    steps = [opt.state[p]["step"] for p in ps] if opt._has_step_state else None
+    if made or not (names or opt._has_step_state):  # (SGD without momentum: torch keeps no entry)
+        sts = [made.get(p) for p in ps]
+    else:
+        sts = [opt.state[p] for p in ps]
+    state = {n: as_real([st[n] for st in sts]) for n in names}
+    steps = [st["step"] for st in sts] if opt._has_step_state else None
     params, grads = as_real(ps), as_real([p.grad for p in ps])
     if opt._fused_ok(ps[0].device, ps[0].dtype):
         if steps is not None:

@@ -215,13 +215,14 @@ class LAMB(ArenaOptimizer):
         w = w - lr * r * u
 
     Norms are per tensor, never over the whole buffer. With ``contiguous=True`` on CPU the
-    step is one native kernel (``compile=False`` or ``KILN_OPTIM_EAGER=1`` runs the eager rule
-    instead): per group of tensors that fits in cache it updates m and v, keeps u, sums the
-    squares, takes the ratios and moves w while the group is still in cache: AdamW's 7 element
-    passes over memory (a group too long for the 4 MiB buffer recomputes u: 10), where the trust
-    ratio forces any schedule over the whole arena to at least 10. A ZeRO shard runs the two
-    passes apart, its norms summed across ranks between them. Elsewhere a compiled kernel
-    writes u to a scratch buffer the size of the arena (12 passes).
+    step is one native kernel that fuses the chain (``compile=False`` or ``KILN_OPTIM_EAGER=1``
+    runs the chain eagerly instead): per group of tensors that fits in cache it updates m and
+    v, keeps u, sums the squares, takes the ratios and moves w while the group is still in
+    cache: AdamW's 7 element passes over memory (a group too long for the 4 MiB buffer
+    recomputes u: 10), where the trust ratio forces any schedule over the whole arena to at
+    least 10. A ZeRO shard runs the two passes apart, its norms summed across ranks between
+    them. Elsewhere the chain's first kernel writes u to a scratch buffer the size of the arena
+    (12 passes).
     """
 
     config_name = "lamb"
