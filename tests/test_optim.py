@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 import warnings
 
@@ -16,7 +17,10 @@ import torch.nn.functional as F
 os.environ.setdefault("KILN_OPTIM_EAGER", "1")  # the compiled path has its own test below
 
 import kiln.optim as ko  # noqa: E402
-from kiln.optim import _rules  # noqa: E402
+from kiln.optim._chain import Update, run  # noqa: E402
+from kiln.optim._lists import ListSpace  # noqa: E402
+from kiln.optim._norms import tensor_norms  # noqa: E402
+from kiln.optim._rules import TensorList  # noqa: E402
 
 
 
@@ -100,11 +104,21 @@ def test_matches_torch_optim_100_steps_two_groups(name, tcls, kcls, kw, contiguo
     assert max_rel(m1, m2) < 1e-6
 
 
-@pytest.mark.parametrize("name,tcls,kcls,kw", TORCH_PAIRS[2:4], ids=["adam", "adamw"])
-def test_pure_rule_on_flat_buffer_matches_fused_kernel(name, tcls, kcls, kw):
+FUSED = [(name, kcls, kw) for name, _, kcls, kw in TORCH_PAIRS] + [
+    ("sgd_maximize", ko.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.05, maximize=True)),
+    ("sgd_plain", ko.SGD, dict(lr=1e-2)),
+    ("adam_amsgrad_maximize", ko.Adam, dict(lr=1e-3, weight_decay=0.05, amsgrad=True, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("name,kcls,kw", FUSED, ids=[t[0] for t in FUSED])
+def test_each_fused_kernel_matches_the_chain_it_fuses(name, kcls, kw, contiguous):
+    """torch's fused kernel, what SGD and Adam(W) run on CPU and CUDA, against the class's
+    chain over the same buffers (_force_rule): the flat arena and per-parameter lists, fp64."""
     m1, m2 = make_model(torch.float64), make_model(torch.float64)
-    o1, o2 = kcls(two_groups(m1), **kw), kcls(two_groups(m2), **kw)
-    o2._force_rule = True  # the eager rule over the flat buffer instead of torch's fused kernel
+    o1, o2 = (kcls(two_groups(m), contiguous=contiguous, **kw) for m in (m1, m2))
+    o2._force_rule = True
     train(m1, o1, 30)
     train(m2, o2, 30)
     assert max_rel(m1, m2) < 1e-12
@@ -188,15 +202,29 @@ def test_lars_matches_reference(impl, nesterov):
 
 
 def _lamb_rows_reference(p, g, m, v, seg_rows, blk, hp):
-    """LAMB by _rules over rows of blk elements, seg_rows rows per tensor: (new w, u, ratios);
-    m and v are updated in place."""
+    """LAMB's chain (ko.LAMB.chain, run eagerly over a list of tensors) on rows of blk elements,
+    seg_rows rows per tensor: (new w, u, ratios); m and v are updated in place."""
     b1, b2, c1, c2, eps, wd, bc1, bc2, lr, clip = hp.tolist()
-    u = _rules.lamb_direction(p, g, m, v, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, bc1=bc1, bc2=bc2,
-                              c1=c1, c2=c2)
+    step = round(math.log(1 - bc1) / math.log(b1))  # bc1 = 1 - b1 ** step
+    group = dict(betas=(b1, b2), eps=eps, weight_decay=wd, lr=lr, trust_clip=None if clip < 0 else clip)
+    seen = {}
+
+    class Seen(ListSpace):  # what the chain's trust ratio saw: u, and the ratios
+        def norms(self, a, b):
+            seen["u"] = torch.cat(b.ts)
+            return super().norms(a, b)
+
+        def scale(self, u, r):
+            seen["r"] = r
+            return super().scale(u, r)
+
     sizes = [r * blk for r in seg_rows]
-    norms = [torch.stack([part.norm() for part in t.split(sizes)]) for t in (p, u)]
-    r = _rules.trust_ratio(*norms, clip=None if clip < 0 else clip)
-    return p - lr * torch.repeat_interleave(r, torch.tensor(sizes)) * u, u, r
+    w = p.clone()
+    parts = [TensorList(t.split(sizes)) for t in (w, g, m, v)]
+    space = Seen(parts[0].ts, lambda ts: tensor_norms(ts, 2))
+    hs = ko.LAMB.chain.hyper(group, step, space)
+    run(ko.LAMB.chain, Update(parts[0], parts[1], {"exp_avg": parts[2], "exp_avg_sq": parts[3]}), hs, space)
+    return w, seen["u"].clone(), seen["r"]
 
 
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # torch's lerp has a branch at weight 0.5
@@ -205,7 +233,7 @@ def test_native_lamb_kernel_every_mode_on_rows_with_short_tails(beta1, clip):
     """The native kernel on rows of 13 elements (no multiple of any vector width, so every row
     ends in a short tail) and tensors of 2, 1, 0 and 3 rows, one of them zero: the whole step
     with u kept, with u recomputed (a group longer than the buffer) and in one group, and a
-    shard's two passes apart, each equal to _rules' LAMB in float64 to 1e-13."""
+    shard's two passes apart, each equal to LAMB's chain in float64 to 1e-13."""
     from kiln.optim import _native
 
     blk, seg_rows = 13, [2, 1, 0, 3]
@@ -267,14 +295,14 @@ def test_native_kernels_that_cannot_be_built_warn_once_and_fall_back(monkeypatch
     the fix, and step exactly as the eager rule does."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    from kiln.optim import _native, _optimizers
+    from kiln.optim import _flat, _native
 
     def broken(*a, **k):
         raise RuntimeError("g++: not found")
 
     monkeypatch.setattr(_native, "_BUILT", {})
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", broken)
-    monkeypatch.setattr(_optimizers, "kernel", lambda fn, compiled: fn)  # no torch.compile either
+    monkeypatch.setattr(_flat, "kernel", lambda fn, compiled: fn)  # no torch.compile either
     for cls, kw in [(ko.LAMB, dict(lr=1e-2, weight_decay=0.1)), (ko.LARS, dict(lr=0.5, weight_decay=0.01))]:
         m1, m2 = make_model(), make_model()
         o1 = cls(m1.parameters(), compile=False, **kw)
@@ -326,14 +354,18 @@ def test_compiled_lamb_and_lars_match_eager_and_do_not_recompile_on_lr_change(mo
         o2 = cls(two_groups(m2), compile=True, **kw)
         s1 = torch.optim.lr_scheduler.StepLR(o1, 1, gamma=0.9)
         s2 = torch.optim.lr_scheduler.StepLR(o2, 1, gamma=0.9)
-        for _ in range(5):
+        for step in range(5):
             train(m1, o1, 1)
             train(m2, o2, 1)
             s1.step()
             s2.step()
+            if step == 0:
+                graphs = counters["stats"]["unique_graphs"]
         assert max_rel(m1, m2) < 1e-5
-    # one graph per kernel (LAMB: 1, LARS: 2), whatever the lr and the arena sizes
-    assert counters["stats"]["unique_graphs"] <= 3
+        assert counters["stats"]["unique_graphs"] == graphs, cls  # the new lrs: no new graph
+    # one graph per kernel, the two kernels around the trust ratio (see kiln.optim._flat), for both
+    # groups' arenas of different sizes
+    assert counters["stats"]["unique_graphs"] <= 4
 
 
 # -- must-not-break ---------------------------------------------------------------------------

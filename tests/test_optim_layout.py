@@ -1,6 +1,7 @@
-"""kiln.optim's shape (issue 25), read from the source with ``ast``: no class over 300 lines,
-no private name imported from one of its modules into another, and no collective: kiln.optim
-never communicates; whoever shards it supplies the sums."""
+"""kiln.optim's shape (issues 25 and 40), read from the source with ``ast``: no class over 300
+lines and no function over 80, no private name imported from one of its modules into another,
+no collective (kiln.optim never communicates; whoever shards it supplies the sums), and each
+optimizer a chain of the shared transforms, with no update method of its own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,34 @@ def test_no_class_is_over_300_lines(path):
         if isinstance(node, ast.ClassDef):
             assert node.end_lineno - node.lineno + 1 <= 300, f"{path.name}: class {node.name} has " \
                 f"{node.end_lineno - node.lineno + 1} lines"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_no_function_is_over_80_lines(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno - node.lineno + 1 <= 80, f"{path.name}: {node.name} has " \
+                f"{node.end_lineno - node.lineno + 1} lines"
+
+
+def test_each_optimizer_is_a_chain_of_the_shared_transforms_with_no_update_of_its_own():
+    """A class declares its chain once; the flat, list and compiled paths derive from it (a
+    torch or native kernel that fuses the chain is declared beside it, and tested against it)."""
+    import kiln.optim as ko  # (imported here: the other tests of this file read only the source)
+    from kiln.optim import _chain
+
+    for node in ast.walk(ast.parse((OPTIM / "_optimizers.py").read_text())):
+        if isinstance(node, ast.ClassDef):
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            assert not methods & {"_update_flat", "_update_list", "state_names"}, node.name
+    for cls in ko.OPTIMIZERS.values():
+        for decoupled in (False, True):
+            chain = cls.chain_for({"decoupled_weight_decay": decoupled})
+            assert isinstance(chain, _chain.Chain) and chain.transforms, cls
+            for t in chain.transforms:
+                assert (t.update or t.ratio).__module__ == "kiln.optim._chain", (cls, t)
+    assert repr(ko.LAMB.chain) == "chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, learning_rate)"
+    assert ko.AdamW.chain_for({"decoupled_weight_decay": True}) is ko.Adam.chain_for({"decoupled_weight_decay": True})
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)

@@ -17,6 +17,10 @@ tensor instead of a Python loop over hundreds.
 
 ``contiguous=False`` keeps the parameters as they are and runs the same update rules as
 multi-tensor (``torch._foreach_*``) kernels, for FSDP2 / DTensor parameters.
+
+What other packages may ask of these optimizers is the :class:`KilnOptimizer` protocol (and
+:class:`ShardableOptimizer`, what ZeRO asks of the one it shards); which features need the
+arena is :data:`ARENA_FEATURES`, and the settings that leave it out :data:`NO_ARENA`.
 """
 
 import contextlib
@@ -28,14 +32,18 @@ from kiln.optim import _base, _clip, _norms
 from kiln.optim._arena import Arena, ArenaSlice, Piece, arena_layout
 from kiln.optim._base import ArenaOptimizer, torch_method
 from kiln.optim._clip import clip_grad_norm_
+from kiln.optim._contract import (ARENA_FEATURES, NO_ARENA, ArenaNeed, KilnOptimizer, NoArena, ShardableOptimizer,
+                                  arena_conflicts, arena_missing, has_arena, no_arena_setting)
 from kiln.optim._native import native_kernels_build
 from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 
 # optim.name -> class; what each takes and keeps is declared on the class (config_options, state_names)
 OPTIMIZERS = {cls.config_name: cls for cls in (AdamW, Adam, SGD, LAMB, LARS)}
 
-__all__ = ["Arena", "ArenaSlice", "Piece", "arena_layout", "ArenaOptimizer", "SGD", "Adam", "AdamW", "LAMB", "LARS",
-           "OPTIMIZERS", "clip_grad_norm_", "native_kernels_build", "norms_as_row_views", "torch_method"]
+__all__ = ["ARENA_FEATURES", "NO_ARENA", "Arena", "ArenaNeed", "ArenaSlice", "NoArena", "Piece", "arena_conflicts",
+           "arena_layout", "arena_missing", "ArenaOptimizer", "KilnOptimizer", "ShardableOptimizer", "SGD", "Adam",
+           "AdamW", "LAMB", "LARS", "OPTIMIZERS", "clip_grad_norm_", "has_arena", "native_kernels_build",
+           "no_arena_setting", "norms_as_row_views", "torch_method"]
 
 
 @contextlib.contextmanager

@@ -7,12 +7,16 @@ dict and the step, over the pieces that do the work:
   exposed per parameter as torch keys it;
 - :mod:`kiln.optim._shard`: the rank's slice of each arena that a sharded optimizer steps;
 - :mod:`kiln.optim._lists`: the optimizers without an arena (``contiguous=False``, DTensors);
-- :mod:`kiln.optim._rules`: the update rules, chains of small transforms.
+- :mod:`kiln.optim._chain`: the update rules, chains of shared transforms, run over a range of
+  an arena by :mod:`kiln.optim._flat` and over per-parameter lists by ``_lists``.
 
-A subclass owns its hyperparameters and two update methods: ``_update_flat(rng, group,
-step)`` over a :class:`~kiln.optim._packing.FlatRange` of an arena, and ``_update_list(group,
-params, key)`` over per-parameter lists.
+A subclass declares its hyperparameters and its :attr:`~ArenaOptimizer.chain`; where torch has
+a fused kernel for the same math (SGD, Adam(W)) it declares ``_torch_fused`` and
+``_update_torch`` (torch's own implementation, for capturable/differentiable groups), and where
+kiln's native CPU kernels fuse the chain (LAMB, LARS) ``_native_flat``. The flat, list and
+torch paths derive from these.
 
+The :class:`~kiln.optim.KilnOptimizer` protocol lists what other packages may ask of one.
 Complex parameters are updated as pairs of reals (``torch.view_as_real``), as torch.optim
 does. ``step()`` skips torch's ``profile_hook_step`` wrapper (a ``record_function`` and two
 hook chains on every call) unless a profiler is running or a step hook is registered, in
@@ -29,13 +33,14 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from kiln.optim import _lists, _stepping
-from kiln.optim._arena import Arena, ArenaSlice
-from kiln.optim._kernels import norm_dtype
+from kiln.optim import _flat, _lists, _stepping
+from kiln.optim._access import ArenaAccess
+from kiln.optim._arena import ArenaSlice
+from kiln.optim._chain import Chain
+from kiln.optim._kernels import compiling, norm_dtype
 from kiln.optim._norms import tensor_norms
 from kiln.optim._packing import FlatRange, Packing
-from kiln.optim._rules import TensorList
-from kiln.optim._shard import Sharding, SumOver
+from kiln.optim._shard import Sharding, SumOver, check_pieces
 
 
 def _by_torch(group: dict[str, Any]) -> bool:
@@ -58,7 +63,7 @@ def _hooked_step(opt: "ArenaOptimizer", closure: Callable[[], Any] | None) -> An
     return Optimizer.profile_hook_step(type(opt)._step)(opt, closure)
 
 
-class ArenaOptimizer(Optimizer):
+class ArenaOptimizer(ArenaAccess, Optimizer):
     """Base class: packs parameters into arenas and keeps torch.optim's public behaviour.
 
     Groups that ask for ``capturable=True`` (CUDA graphs) or ``differentiable=True`` (autograd
@@ -67,13 +72,19 @@ class ArenaOptimizer(Optimizer):
     set to False): an arena's host-side step counts and re-pointed storage would defeat both.
     """
 
-    _has_step_state = True  # torch keeps state[p]['step'] for this optimizer
+    _has_step_state = True  # torch keeps state[p]['step']; False: state made at the first step (SGD)
     _per_tensor_norms = False  # the update needs per-tensor norms (LAMB, LARS): see shard()
     _supports_complex = True  # complex parameters stepped as pairs of reals, as torch.optim does
+    _force_rule = False  # (tests) the chain where torch's fused kernel would run
     # Its name in a config's optim.name, and the optim.* keys it takes (kiln.train builds it
     # with lr, those keys and the parameter groups; a key it does not take is refused).
     config_name: ClassVar[str]
     config_options: ClassVar[tuple[str, ...]] = ()
+    chain: ClassVar[Chain]  # the update rule (kiln.optim._chain), declared by each subclass
+    compile: bool | None = False  # the chain's kernels compiled (None: unless KILN_OPTIM_EAGER is set)
+    # torch's fused kernel for the chain's math, over flat buffers or per-parameter lists alike:
+    # (group, params, grads, {state name: tensors}, step counts or None, first=) -> None
+    _torch_fused: ClassVar[Callable[..., None] | None] = None
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, contiguous: bool = True,
                  shard_multiple: int | None = None) -> None:
@@ -89,11 +100,16 @@ class ArenaOptimizer(Optimizer):
         if self.contiguous:
             self.packing = Packing(self.param_groups, shard_multiple)
 
-    # -- what a subclass declares -------------------------------------------------------------
+    # -- the update rule ----------------------------------------------------------------------
+    @classmethod
+    def chain_for(cls, group: Mapping[str, Any]) -> Chain:
+        """The chain that steps a group with these hyperparameters."""
+        return cls.chain
+
     @classmethod
     def state_names(cls, group: Mapping[str, Any]) -> tuple[str, ...]:
         """The parameter-sized state tensors a group with these hyperparameters keeps."""
-        raise NotImplementedError
+        return cls.chain_for(group).state_names(group)
 
     @classmethod
     def state_names_for(cls, **options: Any) -> tuple[str, ...]:
@@ -104,29 +120,41 @@ class ArenaOptimizer(Optimizer):
         group.update((k, v) for k, v in options.items() if v is not None)
         return cls.state_names(group)
 
+    def _fused_ok(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """torch's fused kernel serves this device and dtype (complex: on the real view)."""
+        return (self._torch_fused is not None and device.type in ("cpu", "cuda")
+                and (dtype.is_floating_point or dtype.is_complex) and not self._force_rule)
+
+    def _native_flat(self, rng: FlatRange, group: dict[str, Any], step: int) -> bool:
+        """Step ``rng`` with kiln's native CPU kernels if they serve it (False: they do not)."""
+        return False
+
     def _update_flat(self, rng: FlatRange, group: dict[str, Any], step: int) -> None:
         """Update the segments of ``rng`` (all received, all at step number ``step``)."""
-        raise NotImplementedError
-
-    def _update_list(self, group: dict[str, Any], params: list[torch.Tensor], key: Any) -> None:
-        """Multi-tensor update of params (all with grads, sharing the list key ``key``)."""
-        raise NotImplementedError
+        if self._fused_ok(rng.arena.device, rng.arena.dtype):
+            names = self.state_names(group)
+            p, g, *bufs = rng.args(*names)
+            self._torch_fused(group, [p], [g], {n: [b] for n, b in zip(names, bufs)},
+                              [rng.step_tensor(step)] if self._has_step_state else None, first=step == 1)
+        elif not (compiling(self.compile) and self._native_flat(rng, group, step)):
+            _flat.update(self.chain_for(group), rng, group, step, self.compile)
 
     def _update_torch(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
         """torch.optim's own functional update of ps, for capturable/differentiable groups."""
         raise NotImplementedError
 
     def _list_key(self, p: torch.Tensor, st: dict[str, Any]) -> Any:
-        """What the tensors of one multi-tensor update must share besides device and dtype:
-        by default the step count (one bias correction for the whole list)."""
-        return int(st["step"])
+        """What the tensors of one multi-tensor update must share besides device and dtype: the
+        step count (one bias correction for the whole list), none where torch's fused kernel
+        takes one per tensor, or whether they stepped before (SGD: its first step differs)."""
+        if not self._has_step_state:
+            return int(bool(st))
+        return None if self._fused_ok(p.device, p.dtype) else int(st["step"])
 
     def _init_list_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        if not self._has_step_state:
+            return {}  # not stored: torch keeps no entry before the first step
         return _lists.init_list_state(self.state, p, group, self.state_names(group))
-
-    def _lists(self, ps: list[torch.Tensor], *names: str) -> list[TensorList]:
-        """(params, grads, *state) as TensorLists; real views of complex tensors, as torch.optim."""
-        return _lists.tensor_lists(self.state, ps, names)
 
     def _tensor_norms(self, ts: list[torch.Tensor]) -> torch.Tensor:
         """(S,) L2 norm of each tensor of ts (a tensor's local shard: of the whole tensor)."""
@@ -167,49 +195,6 @@ class ArenaOptimizer(Optimizer):
                     "torch's own per-parameter implementation, which an arena cannot serve: build the "
                     "optimizer with contiguous=False (or with the flag set for all groups).")
             self.relink()
-
-    @property
-    def arenas(self) -> list[Arena]:
-        """The arenas, one per (parameter group, device, dtype), in parameter-group order."""
-        return [pk.arena for pk in self.packing.packs] if self.packing else []
-
-    def packed_params(self) -> list[tuple[Arena, list[torch.Tensor]]]:
-        """``(arena, its parameters in segment order)`` for each arena."""
-        return [(pk.arena, list(pk.params)) for pk in self.packing.packs] if self.packing else []
-
-    def flat_grads(self) -> list[torch.Tensor]:
-        """The tensors holding all gradients: one flat buffer per arena (after absorbing any
-        gradient placed outside it), or every ``p.grad`` with ``contiguous=False``. A check or
-        a scaling over all gradients is then one operation per buffer."""
-        if not self.contiguous:
-            return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return self.packing.flat_grads()
-
-    def grad_parts(self) -> list[tuple[list[torch.Tensor], tuple[Any, ...]]]:
-        """``[(tensors, reducers)]``: the tensors that hold this optimizer's gradients on this
-        rank and how their norms combine with other ranks' into the whole gradient's (see
-        :func:`kiln.optim.clip_grad_norm_`): the flat buffers, or each parameter's (local)
-        grad; once sharded, the shards' gradients (what :meth:`step` reads)."""
-        if self.sharding is not None:
-            return self.sharding.grad_parts()
-        if not self.contiguous:
-            from kiln.optim._clip import param_grad_parts
-
-            return param_grad_parts(p for g in self.param_groups for p in g["params"])
-        return [(self.flat_grads(), ())]
-
-    def mark_grads_ready(self) -> None:
-        """Count every trainable parameter as having received a gradient this step. For code
-        that writes the flat gradient itself instead of through autograd (the fp32 master
-        weights of ``bf16-true`` training, a reduce-scatter into a ZeRO shard)."""
-        self.packing.mark_grads_ready()
-
-    def union_received(self, all_reduce_max: Callable[[torch.Tensor], Any]) -> None:
-        """Agree with other replicas on which parameters received a gradient this step, so that
-        they all step the same ones: ``all_reduce_max`` gets the flags as a uint8 tensor (one
-        byte per parameter and one "any" byte, sharing memory with the optimizer's) and must
-        take their maximum over the replicas in place (``dist.all_reduce(t, op=MAX)``)."""
-        all_reduce_max(torch.frombuffer(self.packing.flags, dtype=torch.uint8))
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -273,16 +258,7 @@ class ArenaOptimizer(Optimizer):
         :meth:`state_dict` of the same sharding (it has ``"pieces"``), or a full torch-layout
         one (kiln's or torch.optim's), of which each rank takes its pieces."""
         pieces = state_dict.get("pieces")
-        if self.sharding is not None:
-            mine = self.shard_pieces()
-            if pieces is not None and any(tuple(pieces.get(k, ())) != tuple(mine.get(k, ()))
-                                          for k in state_dict["state"]):
-                raise ValueError(
-                    "kiln.optim: this state dict holds pieces of another sharding (another world size "
-                    "or layout); load a full state dict instead (ZeroOptimizer.state_dict() gathers one)")
-        elif pieces is not None:
-            raise ValueError("kiln.optim: a sharded state dict (with 'pieces') needs an optimizer sharded "
-                             "the same way; load a full state dict instead")
+        check_pieces(pieces, self.shard_pieces() if self.sharding is not None else None, state_dict["state"])
         groups, state = self.param_groups, self.state
         torch_method("load_state_dict")(self, state_dict)
         # torch replaces the group dicts and the state: keep the objects that a ZeroOptimizer
@@ -337,24 +313,3 @@ class ArenaOptimizer(Optimizer):
         if sd is not None:
             self.load_state_dict(sd)
         return self.shards
-
-    @property
-    def shards(self) -> list[ArenaSlice]:
-        """This rank's shard of each arena, in :attr:`arenas` order (empty: not sharded)."""
-        return self.sharding.slices if self.sharding is not None else []
-
-    def shard_pieces(self) -> dict[int, tuple[int, int]]:
-        """Where this rank's shards hold each parameter: ``{index: (start, stop)}``, elements
-        [start, stop) of the flattened parameter, keyed by its index in :meth:`state_dict`
-        (torch's numbering). Parameters this rank holds no element of are absent."""
-        return self.sharding.pieces(self.param_groups, self.packing) if self.sharding is not None else {}
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state (and scratch buffers) this optimizer holds on this rank:
-        once sharded, its shards only; of a DTensor's state, its local shard."""
-        if not self.contiguous:
-            return sum(getattr(v, "_local_tensor", v).nbytes
-                       for st in self.state.values() for v in st.values() if torch.is_tensor(v))
-        packs = self.packing.packs + (self.sharding.packs if self.sharding is not None else [])
-        bufs = [b for pk in packs for b in [*pk.state.values(), *([pk.scratch] if pk.scratch is not None else [])]]
-        return sum(b.untyped_storage().nbytes() for b in bufs)

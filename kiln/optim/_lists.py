@@ -9,23 +9,39 @@ and redistributing it to a replicated one sums them (one collective, issued by t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
+from kiln.optim._chain import Update, run
 from kiln.optim._packing import as_real, is_dtensor
 from kiln.optim._rules import TensorList
 
-__all__ = ["init_list_state", "no_complex", "step_lists", "tensor_lists"]
+__all__ = ["ListSpace", "init_list_state", "no_complex", "step_lists", "update"]
 
 
-def tensor_lists(state: dict[Any, Any], ps: list[torch.Tensor], names: tuple[str, ...]) -> list[TensorList]:
-    """(params, grads, *state) as TensorLists; real views of complex tensors, as torch.optim."""
-    lists = [ps, [p.grad for p in ps]] + [[state[p][n] for p in ps] for n in names]
-    if ps and torch.is_complex(ps[0]):  # a bucket shares one dtype
-        lists = [as_real(ts) for ts in lists]
-    return [TensorList(ts) for ts in lists]
+class ListSpace:
+    """Per-parameter tensors, as a chain's runner sees them (see :func:`kiln.optim._chain.run`):
+    a tensor's norm is its own (a DTensor's local shard's, made whole by ``norms_of``), a
+    per-tensor factor one 0-d tensor or number per tensor of a TensorList."""
+
+    def __init__(self, ps: list[torch.Tensor], norms_of: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+        self.is1d = [p.ndim <= 1 for p in ps]
+        self.device = ps[0].device
+        self.norms_of = norms_of
+
+    def per_tensor(self, values: Sequence[float]) -> list[float]:
+        return list(values)  # (a foreach kernel takes a list of scalars)
+
+    def segment_mask(self, keep: Sequence[bool]) -> torch.Tensor:
+        return torch.tensor(keep, device=self.device)
+
+    def norms(self, a: TensorList, b: TensorList) -> torch.Tensor:
+        return self.norms_of(a.ts + b.ts)
+
+    def scale(self, u: TensorList, r: torch.Tensor) -> TensorList:
+        return u.mul_(list(r.unbind()))
 
 
 def no_complex(name: str) -> str:
@@ -55,8 +71,8 @@ def init_list_state(state: dict[Any, Any], p: torch.Tensor, group: dict[str, Any
 
 def step_lists(opt: Any) -> None:
     """One step of ``opt`` over its parameters as they are: torch's own implementation for
-    groups that ask for it, else ``opt._update_list`` per bucket of tensors that share a
-    device, dtype, DTensor layout and the optimizer's list key (usually the step count)."""
+    groups that ask for it, else :func:`update` per bucket of tensors that share a device,
+    dtype, DTensor layout and the optimizer's list key (usually the step count)."""
     for group in opt.param_groups:
         fused, by_torch = group.get("fused"), _by_torch(group)
         with_grad: list[torch.Tensor] = []
@@ -76,9 +92,43 @@ def step_lists(opt: Any) -> None:
             opt._update_torch(group, with_grad)
         for (_, _, dkey, key), ps in buckets.items():
             if dkey is None:
-                opt._update_list(group, ps, key)
+                update(opt, group, ps, key)
             else:
                 _update_dtensors(opt, group, ps, key)
+
+
+def update(opt: Any, group: dict[str, Any], ps: list[torch.Tensor], key: Any) -> None:
+    """One multi-tensor step of ``ps`` (all with gradients, sharing a device, a dtype and the
+    list key ``key``): torch's fused kernel where the optimizer declares one that serves here,
+    else the optimizer's chain over TensorLists. Complex tensors as pairs of reals."""
+    chain = opt.chain_for(group)
+    names = chain.state_names(group)
+    # torch.optim.SGD makes its momentum buffers at a parameter's first step (key 0: none yet)
+    made = ({p: {n: torch.empty_like(p, memory_format=torch.preserve_format) for n in names} for p in ps}
+            if names and not opt._has_step_state and key == 0 else {})
+    if made or not (names or opt._has_step_state):  # (SGD without momentum: torch keeps no entry)
+        sts = [made.get(p) for p in ps]
+    else:
+        sts = [opt.state[p] for p in ps]
+    state = {n: as_real([st[n] for st in sts]) for n in names}
+    steps = [st["step"] for st in sts] if opt._has_step_state else None
+    params, grads = as_real(ps), as_real([p.grad for p in ps])
+    if opt._fused_ok(ps[0].device, ps[0].dtype):
+        if steps is not None:
+            if steps[0].device != ps[0].device:  # torch.optim keeps 'step' on the CPU; CUDA kernels want it beside p
+                for p in ps:
+                    opt.state[p]["step"] = opt.state[p]["step"].to(p.device)
+                steps = [opt.state[p]["step"] for p in ps]
+            torch._foreach_add_(steps, 1.0)  # (the kernel reads each tensor's count)
+        opt._torch_fused(group, params, grads, state, steps, first=key == 0)
+    else:
+        space = ListSpace(ps, opt._tensor_norms)
+        run(chain, Update(TensorList(params), TensorList(grads), {n: TensorList(v) for n, v in state.items()}),
+            chain.hyper(group, key + 1, space), space)
+        if steps is not None:
+            torch._foreach_add_(steps, 1.0)
+    for p, st in made.items():
+        opt.state[p].update(st)
 
 
 def _norm_completer(mesh: Any, placements: tuple[Any, ...]) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -98,7 +148,7 @@ def _norm_completer(mesh: Any, placements: tuple[Any, ...]) -> Callable[[torch.T
 
 
 def _update_dtensors(opt: Any, group: dict[str, Any], ps: list[torch.Tensor], key: Any) -> None:
-    """Run ``opt._update_list`` on the local shards of DTensor parameters (all on one mesh
+    """Run :func:`update` on the local shards of DTensor parameters (all on one mesh
     with the same placements): parameters, gradients and state as plain local tensors, so
     the fused / foreach kernels run unchanged; per-tensor norms (LAMB, LARS) are completed
     over the mesh; state created during the update is wrapped back into DTensors."""
@@ -120,7 +170,7 @@ def _update_dtensors(opt: Any, group: dict[str, Any], ps: list[torch.Tensor], ke
     opt.state = local_state
     opt.complete_norms = _norm_completer(mesh, placements)
     try:
-        opt._update_list(group, locs, key)
+        update(opt, group, locs, key)
     finally:
         opt.state = saved
         opt.complete_norms = None

@@ -1,7 +1,7 @@
 """Hand-written CPU kernels for LAMB and LARS: the passes torch.compile does not fuse.
 
 LAMB's trust ratio needs ``||w||`` and ``||u||`` per tensor before any weight can move. On the
-arena, viewed as (B, blk) rows that never straddle two tensors (see ``_optimizers._segments``),
+arena, viewed as (B, blk) rows that never straddle two tensors (see ``_segments``),
 those norms are sums over rows. Inductor compiles the elementwise rule well, but given the rule
 and the row sums in one function it emits three loops (the sums of w, the rule, then the sums of
 u read back from memory), slower than the rule plus two eager row norms; and over the whole
@@ -59,8 +59,9 @@ static inline V lamb_u(const V& p, const V& m, const V& v, T wd, T rbc1, T rbc2,
 #   2: pass B alone over every row with coefficient sq[b] (-lr * ratio) per row, u recomputed
 #      from the new m, v and w.
 # hp = (b1, b2, c1, c2, eps, wd, bc1, bc2, lr, clip), c = 1 - b, clip < 0: none. m's update is
-# torch's lerp (both of its branches); lamb_u is _rules.lamb_direction's u with the divisions by
-# the bias corrections as products by reciprocals. sq: (2B,) per-row sums of squares of w then u.
+# torch's lerp (both of its branches); lamb_u is the u of LAMB's chain (scale_by_adam, then
+# add_decayed_weights) with the divisions by the bias corrections as products by reciprocals.
+# sq: (2B,) per-row sums of squares of w then u.
 # row_valid: (B,) the real elements of each row (blk but in the last row of a padded segment).
 _LAMB = _HEAD + _LAMB_U + r"""
 extern "C" void kernel(T* p, const T* g, T* m, T* v, T* sq, T* ub, const T* hp, const int64_t* seg_rows,
@@ -162,7 +163,7 @@ extern "C" void kernel(const T* p, const T* g, const T* wd, T* sq, int64_t B, in
 """
 
 # LARS's update over row b: d = g + wd[b]*w scaled by the row's trust ratio q[b], then the
-# heavy-ball step of _rules.momentum_update; hp = (lr, momentum). d is recomputed, not read.
+# heavy-ball step of LARS's chain; hp = (lr, momentum). d is recomputed, not read.
 _LARS_APPLY = _HEAD + r"""
 extern "C" void kernel(T* p, const T* g, T* buf, const T* wd, const T* q, const T* hp, int64_t nesterov,
                        int64_t B, int64_t blk, int64_t nt) {{

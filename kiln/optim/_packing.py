@@ -62,7 +62,7 @@ import torch
 from kiln.errors import KilnWarning
 from kiln.optim._arena import Arena, ArenaSlice
 
-__all__ = ["FlatRange", "Pack", "Packing", "as_real", "is_dtensor", "step_runs"]
+__all__ = ["FlatRange", "Pack", "Packing", "as_real", "is_dtensor", "local", "step_runs"]
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
@@ -75,6 +75,11 @@ def is_dtensor(t: Any) -> bool:
     # sympy, that a run without tensor parallelism or FSDP2 never needs)
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place work on it reaches the DTensor), else t."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def as_real(ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,46 +1,35 @@
-"""Update rules as small transforms that chain (optax's ``chain(scale_by_adam(),
-add_decayed_weights(), ...)``), each written once and run unchanged by three callers:
+"""The arithmetic of kiln's update rules, each piece written once: the transforms of
+:mod:`kiln.optim._chain` call these, and the native CPU kernels (:mod:`kiln.optim._native`)
+are tested against the chains built from them.
 
-- a flat (N,) arena buffer, eagerly (reference and fallback path);
-- the same, inside ``torch.compile`` (LAMB, LARS), with hyperparameters as 0-d tensors so a
-  learning-rate schedule never recompiles;
-- a :class:`TensorList` of per-parameter tensors (``contiguous=False``), whose arithmetic
-  maps onto ``torch._foreach_*`` kernels; this mode serves FSDP2 / DTensor parameters.
+Each function works unchanged on
 
-The transforms:
+- a flat (N,) arena buffer or a (B, blk) view of one, eagerly;
+- the same inside ``torch.compile``, hyperparameters then 0-d tensors (so a learning-rate
+  schedule never recompiles): no Python branch here reads a hyperparameter's value unless it
+  is a Python number;
+- a :class:`TensorList` of per-parameter tensors (``contiguous=False``), whose arithmetic maps
+  onto ``torch._foreach_*`` kernels; this mode serves FSDP2 / DTensor parameters.
+
+The pieces:
 
 - :func:`adam_moments` (m, v and AMSGrad's max, in place) and :func:`adam_direction`
   (m-hat / (sqrt(v-hat) + eps), a new tensor);
 - :func:`add_decayed_weights`: u + wd * p (decay into a gradient, or decoupled decay into a
   direction);
-- :func:`trust_ratio`: the per-tensor factor ||w|| / ||u|| of LAMB and LARS, from per-segment
+- :func:`trust_ratio`: the per-tensor factor ||w|| / ||u|| of LAMB and LARS, from per-tensor
   norms the caller reduced (see :mod:`kiln.optim._segments`);
 - :func:`heavy_ball`: momentum (SGD's, with dampening and Nesterov; LARS's);
 - :func:`apply`: p - lr * direction.
 
-The rules chain them:
-
-- :func:`sgd` = add_decayed_weights -> heavy_ball -> apply;
-- :func:`adam` = (Adam: add_decayed_weights | AdamW: decay of p) -> adam_moments ->
-  adam_direction -> apply, in torch's order of operations;
-- LAMB = adam_moments -> adam_direction -> add_decayed_weights -> trust_ratio -> apply
-  (:func:`lamb_direction` is its first three; the optimizer reduces the norms);
-- LARS = add_decayed_weights -> trust_ratio -> heavy_ball -> apply.
-
-:func:`sgd` and :func:`adam` are the *reference* for torch's fused kernels
-(``torch._fused_sgd_``, ``torch._fused_adam(w)_``), which are what kiln runs on both the flat
-buffer and the per-parameter lists wherever they exist (CPU, CUDA). LAMB and LARS have no
-torch kernel: these rules are their math; the native CPU kernels (:mod:`kiln.optim._native`)
-fuse the same chains and are tested against them. State is updated in place (``lerp_``,
-``mul_``, ``addcmul_``, ...): the TensorList path then costs one ``_foreach_*_`` launch per
-operation instead of a fresh list of tensors per operation, and inside ``torch.compile``
-in-place and pure code compile to the same kernel.
+State is updated in place (``lerp_``, ``mul_``, ``addcmul_``, ...): the TensorList path then
+costs one ``_foreach_*_`` launch per operation instead of a fresh list of tensors per
+operation, and inside ``torch.compile`` in-place and pure code compile to the same kernel.
 
 >>> import torch
->>> p, g = torch.ones(4), torch.full((4,), 0.5)
->>> sgd(p, g, None, lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-...     first_step=True).tolist()
-[0.949999988079071, 0.949999988079071, 0.949999988079071, 0.949999988079071]
+>>> p, u = torch.ones(4), torch.full((4,), 0.5)
+>>> apply(p, add_decayed_weights(u, p, 0.5), 0.1).tolist()
+[0.8999999761581421, 0.8999999761581421, 0.8999999761581421, 0.8999999761581421]
 """
 
 from __future__ import annotations
@@ -49,8 +38,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["TensorList", "adam", "adam_direction", "adam_moments", "add_decayed_weights", "apply", "heavy_ball",
-           "lamb_direction", "sgd", "trust_ratio"]
+__all__ = ["TensorList", "adam_direction", "adam_moments", "add_decayed_weights", "apply", "heavy_ball", "nonzero",
+           "trust_ratio"]
 
 
 def _ts(x: Any) -> Any:
@@ -150,7 +139,15 @@ class TensorList:
         return self
 
 
-# -- the transforms ------------------------------------------------------------------------------
+# -- the pieces ------------------------------------------------------------------------------------
+
+def nonzero(x: Any) -> bool:
+    """Whether a hyperparameter may be nonzero: a tensor (compiled; its value unknown at trace
+    time) always, a list of per-tensor values if any is, a number if it is."""
+    if isinstance(x, torch.Tensor):
+        return True
+    return any(x) if isinstance(x, list) else bool(x)
+
 
 def adam_moments(g, m, v, vmax=None, *, beta1, beta2, c1=None, c2=None):
     """Adam's moments, in place: m = beta1*m + (1-beta1)*g (torch's lerp);
@@ -171,10 +168,13 @@ def adam_direction(m, v, *, eps, bc1, bc2):
 
 def add_decayed_weights(u, p, weight_decay):
     """u + weight_decay * p, in place on u (a gradient's copy: coupled decay; a direction:
-    decoupled decay, LAMB's and AdamW's). weight_decay may be a tensor that broadcasts (LARS:
-    per block over the arena, 0 where a tensor is excluded)."""
+    decoupled decay, LAMB's). weight_decay may be a tensor that broadcasts (per row of the
+    arena: (B, 1), 0 where a tensor is excluded) or, over a TensorList, a list with one value
+    per tensor."""
     if isinstance(weight_decay, torch.Tensor):
         return u.addcmul_(p, weight_decay)
+    if isinstance(weight_decay, list):
+        return u.add_(p * weight_decay)  # (a foreach multiply by a list of scalars)
     return u.add_(p, alpha=weight_decay) if weight_decay else u
 
 
@@ -198,54 +198,13 @@ def heavy_ball(d, buf, *, momentum, dampening=0.0, nesterov=False, first=False):
     if first:
         buf.copy_(d)
     else:  # (products, not alpha=: a compiled caller's momentum is a 0-d tensor)
-        buf.mul_(momentum).add_(d * (1 - dampening) if dampening else d)
+        buf.mul_(momentum).add_(d * (1 - dampening) if nonzero(dampening) else d)
     return d.add_(buf * momentum) if nesterov else buf
 
 
 def apply(p, step, lr):
-    """p = p - lr * step, in place."""
+    """p = p - lr * step, in place: one pass (one foreach launch over a TensorList), or, with lr
+    a tensor (compiled), a product the compiler fuses."""
+    if isinstance(lr, (int, float)):
+        return p.add_(step, alpha=-lr)
     return p.sub_(step * lr)
-
-
-# -- the rules: chains of the transforms --------------------------------------------------------------
-
-def sgd(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first_step, maximize=False):
-    """torch.optim.SGD's rule, in place on p and buf (buf is None without momentum); returns p.
-
-    d = g + wd*p;  buf = d on the first step, else momentum*buf + (1-dampening)*d;
-    step = d + momentum*buf (Nesterov) or buf;  p = p - lr*step.
-    """
-    d = add_decayed_weights(-g if maximize else g * 1, p, weight_decay)  # (a copy: the gradient stays)
-    if momentum:
-        d = heavy_ball(d, buf, momentum=momentum, dampening=dampening, nesterov=nesterov, first=first_step)
-    return apply(p, d, lr)
-
-
-def adam(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, decoupled, bc1, bc2, maximize=False):
-    """Adam (decoupled=False: L2 decay into the gradient) or AdamW (decoupled=True), in place
-    on p, m, v and vmax (AMSGrad's running maximum, or None); returns p.
-
-    bc1, bc2 are the bias corrections 1-beta1**t and 1-beta2**t. AdamW decays p before the
-    step, as torch does: p*(1 - lr*wd) - lr*direction.
-    """
-    if maximize:
-        g = -g
-    if weight_decay:
-        if decoupled:
-            p.mul_(1 - lr * weight_decay)
-        else:
-            g = add_decayed_weights(g * 1, p, weight_decay)
-    adam_moments(g, m, v, vmax, beta1=beta1, beta2=beta2)
-    return apply(p, adam_direction(m, v if vmax is None else vmax, eps=eps, bc1=bc1, bc2=bc2), lr)
-
-
-def lamb_direction(p, g, m, v, *, beta1, beta2, eps, weight_decay, bc1, bc2, c1=None, c2=None):
-    """LAMB's per-element direction (You et al. 2019, arXiv 1904.00962, Algorithm 2): Adam's
-    moments (in place on m, v) and direction, then decoupled decay::
-
-        u = (m/bc1) / (sqrt(v/bc2) + eps) + wd*p      (returned, a new tensor)
-
-    The caller scales u per tensor by :func:`trust_ratio` and applies p = p - lr * ratio * u.
-    """
-    adam_moments(g, m, v, beta1=beta1, beta2=beta2, c1=c1, c2=c2)
-    return add_decayed_weights(adam_direction(m, v, eps=eps, bc1=bc1, bc2=bc2), p, weight_decay)

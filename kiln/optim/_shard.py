@@ -17,7 +17,7 @@ from kiln.optim._arena import ArenaSlice
 from kiln.optim._kernels import norm_dtype
 from kiln.optim._packing import Pack, Packing
 
-__all__ = ["Sharding"]
+__all__ = ["Sharding", "check_pieces"]
 
 SumOver = Callable[..., Any]  # sum_over(t): sum t in place over the shards (t, "max" for a maximum)
 
@@ -97,3 +97,16 @@ class Sharding:
             start += len(g["params"])
         return {index[id(pk.params[pc.index])]: (pc.start, pc.stop)
                 for pk in packing.packs if pk.shard for pc in pk.shard.arena.pieces if pc.stop > pc.start}
+
+
+def check_pieces(pieces: dict[int, tuple[int, int]] | None, mine: dict[int, tuple[int, int]] | None,
+                 state: dict[int, Any]) -> None:
+    """A state dict's ``pieces`` (None: a full dict) can load into an optimizer whose shards hold
+    ``mine`` (None: not sharded): the same sharding, or a full dict."""
+    if mine is None and pieces is not None:
+        raise ValueError("kiln.optim: a sharded state dict (with 'pieces') needs an optimizer sharded "
+                         "the same way; load a full state dict instead")
+    if mine is not None and pieces is not None and any(tuple(pieces.get(k, ())) != tuple(mine.get(k, ()))
+                                                       for k in state):
+        raise ValueError("kiln.optim: this state dict holds pieces of another sharding (another world size "
+                         "or layout); load a full state dict instead (ZeroOptimizer.state_dict() gathers one)")
