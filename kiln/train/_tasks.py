@@ -59,6 +59,9 @@ class Task:
     loss: Callable[[Any, Any], torch.Tensor] | None = None  # train.loss
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None  # train.metrics; None: the kind's
     pass_targets: bool = False  # train.pass_targets: a tuple batch is called model(inputs, targets)
+    # train.chunked_lm_loss: the model's output projection (kiln/train/_chunked_loss.ChunkedHead),
+    # skipped by the model, which then returns the hidden states the loss computes the logits from
+    head: Any = None
 
     def metric_names(self) -> list[str]:
         """The eval metrics this task reports, ``loss`` first."""
@@ -232,8 +235,30 @@ def loss_parts(task: Task, micro: list[Any], samples: int, dp: int,
     return [total / (n * dp) for n in items]
 
 
+def _without_labels(batch: Any) -> Any:
+    """A mapping batch without ``labels``: a Hugging Face model given them computes its own loss,
+    on what it returns as logits (under the chunked loss, the hidden states)."""
+    return {k: v for k, v in batch.items() if k != "labels"} if isinstance(batch, Mapping) else batch
+
+
+def _hidden_and_targets(task: Task, outputs: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under the chunked loss: the hidden states the model returned in place of its logits, and
+    the targets they predict, aligned."""
+    hidden = split_outputs(outputs)[1]
+    targets = targets_of(batch, task.kind)
+    if hidden is None or targets is None:
+        missing = ("hidden states (the model returned no logits)" if hidden is None else
+                   "targets (a tuple's second element or a mapping's 'labels')")
+        raise ValueError(f"train.chunked_lm_loss: kiln found no {missing} to compute the loss from; "
+                         "set train.chunked_lm_loss=false")
+    return _aligned(task, batch, hidden, targets)
+
+
 def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch.Tensor:
     """The mean loss of ``model`` on one (micro-)batch already on the device (see the module)."""
+    if task.head is not None:  # the model returns hidden states: the head and loss in chunks
+        outputs = call_model(model, _without_labels(batch))
+        return task.head.loss(*_hidden_and_targets(task, outputs, batch))
     outputs = call_model(model, batch, task.pass_targets)
     if task.loss is not None:
         loss = task.loss(outputs, batch)
@@ -287,6 +312,12 @@ def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, d
     fed_only = False  # a pipeline rank without the last stage: it computes no metric
     for batch in loader:
         batch = to_device(batch, device, dtype)
+        if task.head is not None:  # the model returns hidden states: loss and accuracy in chunks
+            outputs = call_model(forward or model, _without_labels(batch))
+            loss, correct, scored = task.head.eval_sums(*_hidden_and_targets(task, outputs, batch))
+            add("loss", loss, scored)
+            add("accuracy", correct, scored)
+            continue
         outputs = call_model(forward or model, batch, task.pass_targets)
         if outputs is None:
             fed_only = True
