@@ -242,7 +242,9 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
         from kiln.parallel._fsdp import apply_fsdp
 
         for m in modules:
-            apply_fsdp(m, mesh=mesh["dp"])
+            # the chunked loss reads the output projection's weight after the forward: the root's
+            # parameters (the head's among them) stay gathered until its backward
+            apply_fsdp(m, mesh=mesh["dp"], root_reshard_after_forward=False if chunked_head else None)
     if pipeline is None:
         view = model
     else:

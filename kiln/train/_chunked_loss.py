@@ -34,9 +34,18 @@ does for whole logits. The gradient of the logits enters the matmuls unscaled (e
 [-1, 1]) and is accumulated in float32, so fp16 with loss scaling loses nothing to underflow.
 
 Chunk size (:func:`chunk_rows`): rows such that a chunk's fp32 logits take about
-:data:`CHUNK_BYTES`, measured on this CPU (see the constant). Evaluation uses the same path
-(loss and accuracy, no gradient): eval batches are large (``data.eval_batch_size`` x T x V
-floats would be 105 GB at GPT-2 small's defaults), so whole logits are never made there either.
+:data:`CHUNK_BYTES`, and at least :data:`MIN_ROWS` rows, below which the matrix products slow
+down (measured: see the constants). ``train.chunked_lm_loss=auto`` computes whole logits, from
+the same hidden states, for a micro-batch whose logits would take less than
+:data:`AUTO_MIN_BYTES` (not under tensor parallelism), where the chunked path's fixed cost is
+not repaid. Evaluation always takes the chunked path (loss and accuracy, no gradient): eval
+batches are large (``data.eval_batch_size`` x T x V floats would be 105 GB at GPT-2 small's
+defaults), so whole logits are never made there either.
+
+Layouts: data parallel and ZeRO-1/2 change nothing; under FSDP2 (ZeRO-3) the root module's
+parameters, the projection's among them, stay gathered from its forward to its backward
+(``kiln.parallel`` applies it so), for the loss reads the weight after the forward; a pipeline
+(pp > 1) hands whole logits to its schedule's loss and is not supported (``auto``: off).
 """
 
 from __future__ import annotations
@@ -89,8 +98,13 @@ def _dtypes(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.dtype, torch.dtype]
     return mm, torch.promote_types(mm, torch.float32)
 
 
-def _shard_targets(targets: torch.Tensor, start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(column of each row's target in this shard, clamped; 1 where the target is in it, else 0)."""
+def _shard_targets(targets: torch.Tensor, start: int, vocab_local: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column of each row's target in this shard; True where the target is in it). Whole
+    (``split`` False), an id past the vocabulary fails in ``gather`` as in ``cross_entropy``;
+    split over tp ranks, each takes the ids in its own range (clamped columns elsewhere)."""
+    if not split:
+        scored = targets != IGNORE
+        return torch.where(scored, targets, 0), scored
     local = targets - start
     inside = (local >= 0) & (local < vocab_local)
     return local.clamp(0, vocab_local - 1), inside
@@ -127,7 +141,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 start: int, group: Any) -> torch.Tensor:
         mm, acc = _dtypes(h, w)
         scored = targets != IGNORE  # (N,)
-        col, inside = _shard_targets(targets, start, w.shape[0])
+        col, inside = _shard_targets(targets, start, w.shape[0], group is not None)
         inside = inside & scored
         with torch.autocast(h.device.type, enabled=False):  # (the dtypes are chosen above)
             h_mm, w_mm, b_mm = h.to(mm), w.to(mm), b.to(mm) if b is not None else None
@@ -249,7 +263,7 @@ def chunked_eval_sums(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     h, targets = _whole_rows(hidden), targets.reshape(-1)
     mm, acc = _dtypes(h, w)
     scored = targets != IGNORE
-    col, inside = _shard_targets(targets, start, w.shape[0])
+    col, inside = _shard_targets(targets, start, w.shape[0], group is not None)
     loss = torch.zeros((), dtype=acc, device=h.device)
     correct = torch.zeros((), dtype=torch.long, device=h.device)
     h_mm, w_mm, b_mm = h.to(mm), w.to(mm), b.to(mm) if b is not None else None
@@ -294,10 +308,11 @@ class ChunkedHead:
     def __init__(self, module: nn.Module, path: str, min_bytes: int = 0) -> None:
         self.module, self.path, self.min_bytes = module, path, min_bytes
 
-    def _check(self, hidden: torch.Tensor, returned_as_is: bool) -> None:
-        """That ``hidden`` is what entered the projection: the very tensor its stand-in returned
-        (``returned_as_is``: in training, where nothing stands between the model and the loss;
-        in an eager forward), and of the projection's input width."""
+    def check(self, hidden: torch.Tensor, returned_as_is: bool) -> None:
+        """That what the model returned as its logits, ``hidden``, is what entered the
+        projection: the very tensor its stand-in returned (``returned_as_is``: in training, where
+        nothing stands between the model and the loss; in an eager forward), and of the
+        projection's input width. Call it on the model's output before slicing it."""
         stand_in = self.module.__dict__["forward"]
         last, stand_in.last = stand_in.last, None
         if returned_as_is and last is not None and hidden is not last:
@@ -311,7 +326,6 @@ class ChunkedHead:
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the logits ``hidden`` would give, over targets not -100."""
-        self._check(hidden, returned_as_is=True)
         weight, bias = self.module.weight, self.module.bias
         if targets.numel() * weight.shape[0] * 4 < self.min_bytes and not _is_dtensor(weight):
             # small logits: whole, as the projection would have made them (autocast included)
@@ -319,9 +333,7 @@ class ChunkedHead:
         return chunked_cross_entropy(hidden, weight, bias, targets)
 
     def eval_sums(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(summed cross-entropy, correct predictions, scored positions): see :func:`chunked_eval_sums`.
-        (Evaluation's forward may gather tensor-parallel outputs into new tensors.)"""
-        self._check(hidden, returned_as_is=False)
+        """(summed cross-entropy, correct predictions, scored positions): see :func:`chunked_eval_sums`."""
         return chunked_eval_sums(hidden, self.module.weight, self.module.bias, targets)
 
     def remove(self) -> None:

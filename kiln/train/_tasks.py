@@ -241,9 +241,10 @@ def _without_labels(batch: Any) -> Any:
     return {k: v for k, v in batch.items() if k != "labels"} if isinstance(batch, Mapping) else batch
 
 
-def _hidden_and_targets(task: Task, outputs: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _hidden_and_targets(task: Task, outputs: Any, batch: Any, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Under the chunked loss: the hidden states the model returned in place of its logits, and
-    the targets they predict, aligned."""
+    the targets they predict, aligned. (Evaluation's forward may gather tensor-parallel outputs
+    into new tensors: only training's are checked to be the head's input itself.)"""
     hidden = split_outputs(outputs)[1]
     targets = targets_of(batch, task.kind)
     if hidden is None or targets is None:
@@ -251,6 +252,7 @@ def _hidden_and_targets(task: Task, outputs: Any, batch: Any) -> tuple[torch.Ten
                    "targets (a tuple's second element or a mapping's 'labels')")
         raise ValueError(f"train.chunked_lm_loss: kiln found no {missing} to compute the loss from; "
                          "set train.chunked_lm_loss=false")
+    task.head.check(hidden, returned_as_is=training)
     return _aligned(task, batch, hidden, targets)
 
 
@@ -258,7 +260,7 @@ def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch
     """The mean loss of ``model`` on one (micro-)batch already on the device (see the module)."""
     if task.head is not None:  # the model returns hidden states: the head and loss in chunks
         outputs = call_model(model, _without_labels(batch))
-        return task.head.loss(*_hidden_and_targets(task, outputs, batch))
+        return task.head.loss(*_hidden_and_targets(task, outputs, batch, training=True))
     outputs = call_model(model, batch, task.pass_targets)
     if task.loss is not None:
         loss = task.loss(outputs, batch)
@@ -314,7 +316,7 @@ def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, d
         batch = to_device(batch, device, dtype)
         if task.head is not None:  # the model returns hidden states: loss and accuracy in chunks
             outputs = call_model(forward or model, _without_labels(batch))
-            loss, correct, scored = task.head.eval_sums(*_hidden_and_targets(task, outputs, batch))
+            loss, correct, scored = task.head.eval_sums(*_hidden_and_targets(task, outputs, batch, training=False))
             add("loss", loss, scored)
             add("accuracy", correct, scored)
             continue
