@@ -207,6 +207,11 @@ def test_auto_makes_whole_logits_below_its_size_and_chunks_above(monkeypatch):
         ids = torch.randint(256, (rows, 16))
         micro_batch_loss(task, model, (ids, ids)).backward()
     assert calls == [1]  # only the 128-row batch
+    ids = torch.randint(256, (2, 16))  # evaluation alike: whole logits as kiln scores them, here
+    whole = head.eval_sums(model(ids), ids)
+    head.min_bytes = 0
+    for got, ref in zip(chunked_eval_sums(model(ids), model.head.out.weight, None, ids), whole):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("config,overrides,why", [

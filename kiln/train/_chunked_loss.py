@@ -36,11 +36,12 @@ does for whole logits. The gradient of the logits enters the matmuls unscaled (e
 Chunk size (:func:`chunk_rows`): rows such that a chunk's fp32 logits take about
 :data:`CHUNK_BYTES`, and at least :data:`MIN_ROWS` rows, below which the matrix products slow
 down (measured: see the constants). ``train.chunked_lm_loss=auto`` computes whole logits, from
-the same hidden states, for a micro-batch whose logits would take less than
-:data:`AUTO_MIN_BYTES` (not under tensor parallelism), where the chunked path's fixed cost is
-not repaid. Evaluation always takes the chunked path (loss and accuracy, no gradient): eval
-batches are large (``data.eval_batch_size`` x T x V floats would be 105 GB at GPT-2 small's
-defaults), so whole logits are never made there either.
+the same hidden states and as the projection would (so small models train bitwise as before),
+for a batch whose logits would take less than :data:`AUTO_MIN_BYTES` (not under tensor
+parallelism), where the chunked path's fixed cost is not repaid. Evaluation (loss and accuracy,
+no gradient) follows the same rule, batch by batch: eval batches are large
+(``data.eval_batch_size`` x T x V floats would be 105 GB at GPT-2 small's defaults), so there
+too whole logits are made only where they are small.
 
 Layouts: data parallel and ZeRO-1/2 change nothing; under FSDP2 (ZeRO-3) the root module's
 parameters, the projection's among them, stay gathered from its forward to its backward
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ConfigError
-from kiln.train._tasks import IGNORE, loss_from_logits, model_kind
+from kiln.train._tasks import IGNORE, loss_from_logits, model_kind, upcast
 
 __all__ = ["AUTO_MIN_BYTES", "CHUNK_BYTES", "ChunkedHead", "apply_chunked_head", "check_chunked_lm_loss", "chunk_rows",
            "chunked_cross_entropy", "chunked_eval_sums", "chunked_head_path", "head_path"]
@@ -327,14 +328,25 @@ class ChunkedHead:
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the logits ``hidden`` would give, over targets not -100."""
         weight, bias = self.module.weight, self.module.bias
-        if targets.numel() * weight.shape[0] * 4 < self.min_bytes and not _is_dtensor(weight):
-            # small logits: whole, as the projection would have made them (autocast included)
+        if self._whole(targets, weight):  # as the projection would have made them (autocast included)
             return loss_from_logits(F.linear(hidden, weight, bias), targets)
         return chunked_cross_entropy(hidden, weight, bias, targets)
 
+    @torch.no_grad()
     def eval_sums(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(summed cross-entropy, correct predictions, scored positions): see :func:`chunked_eval_sums`."""
-        return chunked_eval_sums(hidden, self.module.weight, self.module.bias, targets)
+        weight, bias = self.module.weight, self.module.bias
+        if not self._whole(targets, weight):
+            return chunked_eval_sums(hidden, weight, bias, targets)
+        logits, targets = upcast(F.linear(hidden, weight, bias)).flatten(0, -2), targets.flatten()
+        scored = targets != IGNORE  # (as kiln.train._tasks.evaluate scores whole logits)
+        return F.cross_entropy(logits, targets, reduction="sum"), ((logits.argmax(-1) == targets) & scored).sum(), \
+            scored.sum()
+
+    def _whole(self, targets: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether these targets' logits are small enough to make whole (``min_bytes``); never
+        under tensor parallelism, whose model no longer makes vocabulary-parallel logits."""
+        return targets.numel() * weight.shape[0] * 4 < self.min_bytes and not _is_dtensor(weight)
 
     def remove(self) -> None:
         """The projection's own forward again: the model returns logits."""
