@@ -75,11 +75,13 @@ CHUNK_BYTES = 128 * 2**20
 MIN_ROWS = 512
 
 
-# train.chunked_lm_loss=auto computes whole logits where a micro-batch's would take less: the
-# chunked path's fixed cost (some 25 small operators) outweighs the memory it saves. Loss forward
-# + backward, CPU time against whole logits, 1 thread, same machine (rows x C x V, fp32 logits):
-# 512 x 64 x 256 (0.5 MiB) 1.63x, 4096 x 64 x 256 (4 MiB) 1.20x, 2048 x 128 x 2048 (16 MiB) 0.98x,
-# 8192 x 128 x 4096 (128 MiB) 0.80x.
+# train.chunked_lm_loss=auto makes whole logits where a batch's would take less. Loss forward +
+# backward, CPU time against whole logits, 1 thread, same machine, two runs (rows x C x V, fp32
+# logits): 512 x 64 x 256 (0.5 MiB) 1.07-1.08x, 1024 x 64 x 256 (1 MiB) 0.97-1.04x, 2048 x 64 x
+# 256 (2 MiB) 0.85-0.87x, 2048 x 128 x 2048 (16 MiB) 0.87-0.88x, 8192 x 128 x 4096 (128 MiB)
+# 0.62-0.72x. The chunks pay from about 2 MiB; below 16 MiB what they save is a few milliseconds
+# and tens of MB a step, so there small models (kiln's tiny configs: 2 MiB a micro-batch) keep
+# the arithmetic they had, bit for bit.
 AUTO_MIN_BYTES = 16 * 2**20
 
 
