@@ -55,7 +55,9 @@ def build_model(model_cfg: dict[str, Any]) -> nn.Module:
 
 
 def check_model(cfg: Any, model: nn.Module | None = None) -> None:
-    """What the model's structure must allow, as a ConfigError naming the key and the way out.
+    """What the model's structure must allow (activation checkpointing's blocks,
+    ``train.chunked_lm_loss=true``'s output projection), as a ConfigError naming the key and the
+    way out.
 
     ``model``: the built model; without it the model is built on the ``meta`` device (shapes
     only, no memory), so that ``kiln train --nproc N`` and ``kiln plan`` can check it before any

@@ -30,6 +30,11 @@ The task decides how targets line up with logits, and the metrics (:func:`model_
   scored against its own label;
 - ``classification``: one label per sample (or per token, for token classification).
 
+Under ``train.chunked_lm_loss`` (``Task.head``, kiln/train/_chunked_loss.py) a causal LM returns
+the hidden states its output projection took in place of its logits, and the loss and the
+evaluation make the logits from them chunk by chunk; a mapping's ``labels`` are then not passed
+to the model (which would score its hidden states as logits), and are scored here as above.
+
 A loss over tokens averages over the positions it scores (labels other than -100); with
 padding those differ from batch to batch, so the micro-batches of a step are weighted by the
 positions each scores (:func:`loss_weights`), over every micro-batch and data-parallel rank of
