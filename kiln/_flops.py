@@ -46,6 +46,10 @@ def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
         g, q, k, v = (a.shape for a in args[:4])
         return int(sdpa_backward_flop_count(g, q, *_as_query_heads(q, k, v)))
     count = flop_registry.get(packet)
+    if count is None and name.endswith("_") and hasattr(aten, name[:-1]):
+        # an in-place product (addmm_, baddbmm_: the chunked LM loss sums its weight gradient with
+        # addmm_) does the out-of-place one's arithmetic; torch's registry names only the latter
+        count = flop_registry.get(getattr(aten, name[:-1]))
     return int(count(*args, **kwargs, out_val=out)) if count is not None else 0
 
 

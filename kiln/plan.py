@@ -436,7 +436,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                             module._buffers[name] = fake.from_tensor(buf)
                 tracker.follow(list(model.parameters()), list(model.buffers()))
             with fake, tracker, tracker.patched(), _one_mode():
-                par, optimizer = lay_out(cfg, model, layout, coords, device, precision)
+                par, optimizer = lay_out(cfg, model, layout, coords, device, precision, task=task)
             del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
             dry_pipeline = _dry_pipeline(mailbox) if layout.pp > 1 else contextlib.nullcontext()
             with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views(), _unpacked_as_run(step):

@@ -38,6 +38,18 @@ def test_plan_matches_the_allocator(case):
     assert sum(result[f"{c}_mb"] for c in CATEGORIES) == pytest.approx(result["predicted_mb"], rel=1e-9)
 
 
+def test_the_chunked_lm_loss_is_planned_as_it_runs_and_its_drop_is_the_logits_at_least():
+    # a GPT whose logits dominate: vocabulary 16384, 8 x 32 rows a micro-batch, 16 MiB of fp32
+    # logits; with train.chunked_lm_loss they, their log-softmax and their gradient never exist
+    whole, chunk = (compare(row("gpt", "fp32", micro=8, small=True, overrides=(
+        "model.vocab_size=16384", f"train.chunked_lm_loss={v}"))) for v in ("false", "true"))
+    for result in (whole, chunk):
+        assert abs(result["worst_error"]) < 0.01, result
+    logits_mb = 8 * 32 * 16384 * 4 / 2**20
+    assert whole["predicted_mb"] - chunk["predicted_mb"] >= logits_mb
+    assert whole["measured_mb"] - chunk["measured_mb"] >= logits_mb
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", [
     row("gpt", "fp32", world=2, zero=2, small=True),

@@ -61,14 +61,15 @@ _SMALL = {  # family -> overrides for a model of one block a stage, and short se
 
 
 def row(family: str, precision: str = "fp32", ac: str = "none", micro: int = 4, world: int = 1, *,
-        small: bool = False, **parallel: Any) -> dict[str, Any]:
+        small: bool = False, overrides: tuple[str, ...] = (), **parallel: Any) -> dict[str, Any]:
     """One configuration of the grid: ``micro`` samples per micro-batch on each data-parallel
     rank, ``parallel`` keys (``zero``, ``tp``, ``pp``, ``pp_schedule``); ``small``: one or two
-    blocks and short sequences (the fast tier's test)."""
+    blocks and short sequences (the fast tier's test); ``overrides``: further config keys."""
     layout = ", ".join(f"{k}={v}" for k, v in parallel.items()) or "-"
     label = f"{family} {precision} ac={ac} micro={micro}" + (f" x{world} {layout}" if world > 1 else "")
+    label += "".join(f" {o.rpartition('.')[2]}" for o in overrides)
     return {"family": family, "precision": precision, "ac": ac, "micro": micro, "world": world,
-            "parallel": parallel, "layout": layout, "small": small, "label": label}
+            "parallel": parallel, "layout": layout, "small": small, "overrides": overrides, "label": label}
 
 
 # the grid of the issue: families x precision x AC x micro-batch, and the layouts at --nproc 2/4
@@ -84,6 +85,9 @@ GRID: list[dict[str, Any]] = [
     row("hf-llama", "fp32", "none", 4, 2, zero=2),
     row("hf-llama", "fp32", "none", 4, 2, tp=2),
     row("bert", "bf16-mixed", "full", 4, 2, zero=3),
+    # logits that dominate the step (vocabulary 16384), whole and in chunks (train.chunked_lm_loss)
+    *[row("gpt", "fp32", "none", 8, overrides=("model.vocab_size=16384", f"train.chunked_lm_loss={v}"))
+      for v in ("false", "true")],
 ]
 # a few seconds: the fast tier's test
 QUICK_GRID: list[dict[str, Any]] = [
@@ -111,7 +115,7 @@ def config_of(case: dict[str, Any], device: str = "cpu") -> Any:
         keys.append("model.tie_embeddings=false")
     if case["small"]:
         keys += _SMALL[case["family"]](case["parallel"].get("pp", 1))
-    return load_config(root / path, keys)
+    return load_config(root / path, [*keys, *case.get("overrides", ())])
 
 
 def _model_ranks(case: dict[str, Any]) -> int:

@@ -131,6 +131,13 @@ class TrainConfig:
     # call the model as model(inputs, targets) on tuple batches, for a forward that takes the
     # targets and returns the loss (nanoGPT's forward(idx, targets) -> (logits, loss))
     pass_targets: bool = False
+    # a causal LM's head and cross-entropy in chunks of rows, the gradient made in the same pass,
+    # so that whole logits (B x T x V floats, and their gradient) never exist
+    # (kiln/train/_chunked_loss.py); also in evaluation. auto: on where the model declares its
+    # output projection (kiln's GPT; Hugging Face Llama, Mistral, Qwen2, GPT-2) and the task is
+    # lm, without train.loss, train.metrics, train.pass_targets or a pipeline | true: also for a
+    # recognised Hugging Face causal LM, refused where it cannot apply | false: whole logits
+    chunked_lm_loss: Union[bool, Literal["auto"]] = "auto"
 
 
 @dataclass

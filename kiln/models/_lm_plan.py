@@ -62,11 +62,14 @@ def check_lm_tp(model_cfg: Any, tp: int, sequence_parallel: bool = False) -> Non
     check_tp_divides(tp, sizes, {"model.seq_len": " (parallel.sequence_parallel splits the sequence)"})
 
 
-def lm_plan(head: Mapping[str, str]) -> ParallelPlan:
+def lm_plan(head: Mapping[str, str], output: str | None = None) -> ParallelPlan:
     """The plan of a :class:`~kiln.models.transformer.LanguageModel` whose head adds ``head``'s
     entries (its position-wise layers before ``head.out``, which run on sequence shards under
-    sequence parallelism; their parameters' gradients are then summed over the tp ranks)."""
+    sequence parallelism; their parameters' gradients are then summed over the tp ranks).
+    ``output``: ``head.out`` where the model returns its output as the logits (GPT), for the
+    chunked loss (:class:`~kiln.models.ParallelPlan`'s ``output``)."""
     return ParallelPlan(
+        output=output,
         tp=TensorParallelPlan(styles={**_BODY, **head}, check=check_lm_tp),
         pp=PipelinePlan(first=("embed",), repeated="blocks", last=("head",), depth_option="depth",
                         tied_by="tie_embeddings"),

@@ -48,7 +48,8 @@ STYLE_NAMES = {
     "vocab_embedding": "nn.Embedding split over the vocabulary (V/tp rows); output all-reduced, or "
                        "reduce-scattered over T under sp (which then checks that tp divides T)",
     "vocab_head": "the output projection split over the vocabulary (V/tp rows); input replicated "
-                  "(T shards under sp); logits a DTensor sharded on V (loss_parallel) or gathered",
+                  "(T shards under sp); logits a DTensor sharded on V (loss_parallel) or gathered; "
+                  "under the chunked loss only the weight is split (the loss makes each rank's logits)",
     "sequence": "under sp, a position-wise module (norm, dense) runs on T shards with replicated "
                 "weights, its output a DTensor; nothing without sp",
     "sequence_residual": "as 'sequence', with a plain local (B, T/tp, C) output, for a module whose "
@@ -76,6 +77,9 @@ class TPContext:
     sequence_parallel: bool = False
     loss_parallel: bool = True  # logits stay sharded over the vocabulary (vocab_head)
     mesh: Any = None  # the 1-D tensor-parallel DeviceMesh (None when only planning)
+    # the loss computes the logits from the output projection's input, in chunks
+    # (train.chunked_lm_loss): vocab_head only splits the weight, its input and output untouched
+    chunked_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,11 +163,17 @@ class ParallelPlan:
     ``held_shape(name, shape) -> shape``: for a family whose tensor-parallel plan holds a
     parameter in another shape than the model's (same elements; GPT-2's fused q/k/v weight as
     (C, 3, C) so that a rank's heads are one box), the shape under which every layout holds it
-    in checkpoints, so that they move between layouts; None: every shape unchanged."""
+    in checkpoints, so that they move between layouts; None: every shape unchanged.
+
+    ``output``: the path of a language model's output projection, an ``nn.Linear`` (V, C) whose
+    output the model returns unchanged as its logits (nothing scales or caps them after it), so
+    that a loss may skip it and compute the logits itself, in chunks (``train.chunked_lm_loss``,
+    ``kiln/train/_chunked_loss.py``); None: not declared."""
 
     tp: TensorParallelPlan | None = None
     pp: PipelinePlan | None = None
     held_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
+    output: str | None = None
     capabilities: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -43,8 +43,9 @@ class LMHead(nn.Module):
 
 
 # How GPT splits over tensor- and pipeline-parallel ranks (kiln/models/_lm_plan.py); under
-# sequence parallelism the head's norm runs on sequence shards.
-PLAN = lm_plan(head={"head.norm": "sequence"})
+# sequence parallelism the head's norm runs on sequence shards. The logits are head.out's output
+# as it is: a chunked loss may compute them itself (train.chunked_lm_loss).
+PLAN = lm_plan(head={"head.norm": "sequence"}, output="head.out")
 
 
 @register_model("gpt", GPTConfig, plan=PLAN)

@@ -214,6 +214,7 @@ def _llama_plan(prefix: str) -> ParallelPlan:
         styles["lm_head"] = "vocab_head"
         last = (f"{m}norm", "lm_head")
     return ParallelPlan(
+        output="lm_head" if prefix else None,  # returned as the logits, unchanged (chunked loss)
         tp=TensorParallelPlan(styles=styles, check=_check_llama),
         pp=PipelinePlan(first=(f"{m}embed_tokens",), repeated=f"{m}layers", last=last, shared=(f"{m}rotary_emb",),
                         depth_option="num_hidden_layers", tied_by="tie_word_embeddings", call=_hf_call,
@@ -238,6 +239,7 @@ def _gpt2_plan() -> ParallelPlan:
         "lm_head": "vocab_head",
     }
     return ParallelPlan(
+        output="lm_head",  # returned as the logits, unchanged (chunked loss)
         tp=TensorParallelPlan(styles=styles, check=_check_gpt2, hook=_gpt2_hook),
         pp=PipelinePlan(first=(f"{t}wte", f"{t}wpe", f"{t}drop"), repeated=f"{t}h", last=(f"{t}ln_f", "lm_head"),
                         zero_when_skipped=(f"{t}wpe",), depth_option="n_layer", tied_by="tie_word_embeddings",

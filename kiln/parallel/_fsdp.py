@@ -28,11 +28,15 @@ from torch import nn
 __all__ = ["apply_fsdp", "is_fsdp"]
 
 
-def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_forward: bool = True,
+               root_reshard_after_forward: bool | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (``fully_shard`` on each repeated block, then on the
     root) and return it. ``mesh``: a 1-D ``DeviceMesh`` (default: all ranks on the
     model's device type); ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g.
-    ``param_dtype=torch.bfloat16``). Call after the process group is initialised and before
+    ``param_dtype=torch.bfloat16``). ``root_reshard_after_forward``: the root's own choice
+    (default: ``reshard_after_forward``); False keeps its parameters gathered from its forward
+    to its backward, for a loss that reads them after the forward (the chunked LM loss reads
+    the output projection's weight). Call after the process group is initialised and before
     the optimizer is built; every rank must build the same model (same seed), as FSDP2 keeps
     each rank's own shard of the values it finds."""
     import torch._dynamo  # noqa: F401  (see below)
@@ -63,7 +67,8 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
         if next(block.parameters(), None) is None:  # e.g. a block another pipeline stage owns
             continue
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    root = reshard_after_forward if root_reshard_after_forward is None else root_reshard_after_forward
+    fully_shard(model, reshard_after_forward=root, **kw)
     return model
 
 

@@ -202,7 +202,7 @@ class _RankView(nn.Module):
 def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_parallel: bool = False,
                 pp_schedule: str = "1f1b", microbatches: int | None = None, pp_stages: list[int] | None = None,
                 loss_fn: Callable[..., torch.Tensor] | None = None, device: torch.device | str = "cpu",
-                timing: bool = False, plan: Any = None) -> Parallel:
+                timing: bool = False, plan: Any = None, chunked_head: bool = False) -> Parallel:
     """Lay ``model`` (built identically, same seed, on every rank) out as ``layout`` says.
 
     tp > 1 and pp > 1 apply the :class:`~kiln.models.ParallelPlan` of the model's family
@@ -212,7 +212,9 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
     ``loss_fn(logits, targets)``: the mean loss of a micro-batch, for the pipeline schedule
     (pp > 1). ``zero=3`` shards what is left over the dp ranks with FSDP2; ZeRO-1/2 wrap the
     optimizer afterwards (:class:`~kiln.parallel.ZeroOptimizer` over ``Parallel.dp_group``).
-    Build the optimizer over ``Parallel.model`` after this.
+    Build the optimizer over ``Parallel.model`` after this. ``chunked_head``: the loss computes
+    the logits itself from the output projection's input (``train.chunked_lm_loss``; tp splits
+    only the projection's weight).
     """
     device = torch.device(device)
     if layout.world == 1:
@@ -236,12 +238,15 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
         from kiln.parallel._tp import apply_tp
 
         for m in modules:
-            apply_tp(m, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, plan=plan)
+            apply_tp(m, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, plan=plan,
+                     chunked_head=chunked_head)
     if zero == 3 and layout.dp > 1:
         from kiln.parallel._fsdp import apply_fsdp
 
         for m in modules:
-            apply_fsdp(m, mesh=mesh["dp"])
+            # the chunked loss reads the output projection's weight after the forward: the root's
+            # parameters (the head's among them) stay gathered until its backward
+            apply_fsdp(m, mesh=mesh["dp"], root_reshard_after_forward=False if chunked_head else None)
     if pipeline is None:
         view = model
     else:

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -82,9 +82,9 @@ _STYLES: dict[str, Callable[[TPContext], Any]] = {
     "rowwise": lambda ctx: RowwiseParallel(output_layouts=_SEQ if ctx.sequence_parallel else Replicate()),
     "vocab_embedding": lambda ctx: RowwiseParallel(input_layouts=Replicate(),
                                                    output_layouts=_SEQ if ctx.sequence_parallel else Replicate()),
-    "vocab_head": lambda ctx: ColwiseParallel(input_layouts=_SEQ if ctx.sequence_parallel else Replicate(),
-                                              output_layouts=Shard(-1) if ctx.loss_parallel else Replicate(),
-                                              use_local_output=not ctx.loss_parallel),
+    "vocab_head": lambda ctx: _VocabRows() if ctx.chunked_head else ColwiseParallel(
+        input_layouts=_SEQ if ctx.sequence_parallel else Replicate(),
+        output_layouts=Shard(-1) if ctx.loss_parallel else Replicate(), use_local_output=not ctx.loss_parallel),
     # position-wise maps run on T shards with replicated weights (whose gradients must then be
     # summed over the ranks: a plain parameter here would silently get only its shard's part)
     "sequence": lambda ctx: SequenceParallel() if ctx.sequence_parallel else None,
@@ -100,6 +100,21 @@ _STYLES: dict[str, Callable[[TPContext], Any]] = {
                               if ctx.sequence_parallel else None),
 }
 assert _STYLES.keys() == STYLE_NAMES.keys(), "kiln.parallel implements exactly the named styles kiln.models lists"
+
+
+class _VocabRows(ParallelStyle):
+    """An output projection's weight and bias split over the vocabulary (Shard(0): V/tp rows a
+    rank) and nothing else: its input and output keep their layouts. Under the chunked loss
+    (``kiln/train/_chunked_loss.py``) the model returns the projection's input, and the loss
+    computes each rank's share of the logits from the local rows, chunk by chunk."""
+
+    sharded = ("weight", "bias")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            split = distribute_tensor(p.detach(), device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(split, requires_grad=p.requires_grad))
+        return module
 
 
 class _SequenceInput(ParallelStyle):
@@ -250,7 +265,7 @@ def _retie(model: nn.Module, aliases: list[list[str]]) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-             loss_parallel: bool = True, plan: ParallelPlan | None = None) -> nn.Module:
+             loss_parallel: bool = True, plan: ParallelPlan | None = None, chunked_head: bool = False) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` as its family's tensor-parallel plan
     says (Megatron-style, see the module docstring) and return it.
 
@@ -261,7 +276,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     or stage's input and output are such shards (T must be a multiple of tp).
     ``loss_parallel``: the logits are a DTensor sharded on the vocabulary, to be consumed under
     :func:`tp_loss_context` (cross-entropy without gathering them); False: plain replicated
-    (B, T, V) logits. Tied weights stay tied when the plan splits both sides alike.
+    (B, T, V) logits. ``chunked_head``: the loss computes the logits from the output
+    projection's input (``train.chunked_lm_loss``), so ``vocab_head`` only splits its weight.
+    Tied weights stay tied when the plan splits both sides alike.
 
     Call after the process group is initialised, before FSDP (``apply_fsdp(model,
     mesh=mesh["dp"])``) and before the optimizer is built.
@@ -279,7 +296,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     model_cfg = model_options(model)
     if tp_plan.check is not None and model_cfg is not None:
         tp_plan.check(model_cfg, tp, False)  # inputs may be shorter than seq_len: T is checked per batch
-    ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, mesh=tp_mesh)
+    ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, mesh=tp_mesh,
+                    chunked_head=chunked_head)
     resolved = _resolve(model, tp_plan, ctx)
     aliases = _aliases(model)
     parallelize_module(model, tp_mesh, {path: style for path, (_, style) in resolved.items()})

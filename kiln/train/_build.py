@@ -55,16 +55,19 @@ def build_model(model_cfg: dict[str, Any]) -> nn.Module:
 
 
 def check_model(cfg: Any, model: nn.Module | None = None) -> None:
-    """What the model's structure must allow, as a ConfigError naming the key and the way out.
+    """What the model's structure must allow (activation checkpointing's blocks,
+    ``train.chunked_lm_loss=true``'s output projection), as a ConfigError naming the key and the
+    way out.
 
     ``model``: the built model; without it the model is built on the ``meta`` device (shapes
     only, no memory), so that ``kiln train --nproc N`` and ``kiln plan`` can check it before any
     process starts. A model that cannot be built on ``meta`` is checked by the run itself."""
     mode = cfg.train.activation_checkpointing
-    if mode == "none":
+    if mode == "none" and cfg.train.chunked_lm_loss is not True:
         return
     from kiln.errors import ConfigError
     from kiln.memory import apply_ac
+    from kiln.train._chunked_loss import check_chunked_lm_loss
 
     if model is None:
         try:
@@ -74,6 +77,9 @@ def check_model(cfg: Any, model: nn.Module | None = None) -> None:
             raise
         except Exception:  # noqa: BLE001  (the run builds it for real and checks it then)
             return
+    check_chunked_lm_loss(cfg, model)
+    if mode == "none":
+        return
     try:
         apply_ac(model, "none", blocks=cfg.train.ac_blocks)  # finds the blocks, changes nothing
     except TypeError as exc:

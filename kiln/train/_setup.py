@@ -43,6 +43,7 @@ from kiln.train._build import (
 )
 from kiln.train._callbacks import EarlyStopping
 from kiln.train._checkpoint import checkpoint_to_resume, load_into, plain, set_rng_state
+from kiln.train._chunked_loss import AUTO_MIN_BYTES, apply_chunked_head, chunked_head_path
 from kiln.train._loggers import Loggers, check_loggers
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
@@ -208,7 +209,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         precision.settle(_auto_precision(cfg, resumed, model, task, data, layout, device, rank, world))
         cfg = copy.deepcopy(cfg)  # (not the caller's)
         cfg.train.precision = precision.mode
-    par, optimizer = lay_out(cfg, model, layout, coords, device, precision, weights=weights,
+    par, optimizer = lay_out(cfg, model, layout, coords, device, precision, task=task, weights=weights,
                              resuming=resumed is not None)
     model = par.model
     if tc.compile:
@@ -293,10 +294,12 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
 
 
 def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], device: torch.device,
-            precision: Precision, *, weights: str | None = None, resuming: bool = False) -> tuple[Parallel, Any]:
+            precision: Precision, *, task: Task | None = None, weights: str | None = None,
+            resuming: bool = False) -> tuple[Parallel, Any]:
     """This rank's part of ``model`` and the optimizer that steps it, as the config lays them
-    out: activation checkpointing, pipeline stages, tensor parallel, FSDP2, the weights read
-    from ``weights`` (a Hugging Face directory; not when ``resuming``: the checkpoint fills
+    out: activation checkpointing, the chunked LM head (``task.head``, when ``task`` is given
+    and ``train.chunked_lm_loss`` applies), pipeline stages, tensor parallel, FSDP2, the weights
+    read from ``weights`` (a Hugging Face directory; not when ``resuming``: the checkpoint fills
     them), kiln's optimizer, precision's master weights and the data-parallel side (ZeRO-1/2 or
     the gradient reducer). What :func:`setup` runs, and what ``kiln plan`` traces on fake
     tensors. Returns ``(par, optimizer)``: the optimizer the step uses (ZeRO's wrapper)."""
@@ -305,12 +308,17 @@ def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], dev
         from kiln.memory import apply_ac
 
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every, blocks=tc.ac_blocks)
+    # a causal LM's head and loss in chunks of rows (kiln/train/_chunked_loss.py): the model
+    # returns the hidden states its output projection took, and the task's loss makes the logits
+    head = chunked_head_path(cfg, model, task.kind, layout.pp) if task is not None else None
+    if head is not None:
+        task.head = apply_chunked_head(model, head, min_bytes=AUTO_MIN_BYTES if tc.chunked_lm_loss == "auto" else 0)
     # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; par.model
     # is this rank's part, under the whole model's parameter names. The pipeline schedule
     # calls the loss itself, once per micro-batch: divided by K, as train_step divides it.
     par = parallelize(model, layout, zero=cfg.parallel.zero, sequence_parallel=cfg.parallel.sequence_parallel,
                       pp_schedule=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches,
-                      pp_stages=cfg.parallel.pp_stages, device=device,
+                      pp_stages=cfg.parallel.pp_stages, device=device, chunked_head=head is not None,
                       loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
     # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
     # (there is no one flat arena to slice).

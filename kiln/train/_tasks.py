@@ -30,6 +30,11 @@ The task decides how targets line up with logits, and the metrics (:func:`model_
   scored against its own label;
 - ``classification``: one label per sample (or per token, for token classification).
 
+Under ``train.chunked_lm_loss`` (``Task.head``, kiln/train/_chunked_loss.py) a causal LM returns
+the hidden states its output projection took in place of its logits, and the loss and the
+evaluation make the logits from them chunk by chunk; a mapping's ``labels`` are then not passed
+to the model (which would score its hidden states as logits), and are scored here as above.
+
 A loss over tokens averages over the positions it scores (labels other than -100); with
 padding those differ from batch to batch, so the micro-batches of a step are weighted by the
 positions each scores (:func:`loss_weights`), over every micro-batch and data-parallel rank of
@@ -59,6 +64,9 @@ class Task:
     loss: Callable[[Any, Any], torch.Tensor] | None = None  # train.loss
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None  # train.metrics; None: the kind's
     pass_targets: bool = False  # train.pass_targets: a tuple batch is called model(inputs, targets)
+    # train.chunked_lm_loss: the model's output projection (kiln/train/_chunked_loss.ChunkedHead),
+    # skipped by the model, which then returns the hidden states the loss computes the logits from
+    head: Any = None
 
     def metric_names(self) -> list[str]:
         """The eval metrics this task reports, ``loss`` first."""
@@ -238,8 +246,32 @@ def loss_parts(task: Task, micro: list[Any], samples: int, dp: int,
     return [total / (n.to(device) * dp) for n in items]
 
 
+def _without_labels(batch: Any) -> Any:
+    """A mapping batch without ``labels``: a Hugging Face model given them computes its own loss,
+    on what it returns as logits (under the chunked loss, the hidden states)."""
+    return {k: v for k, v in batch.items() if k != "labels"} if isinstance(batch, Mapping) else batch
+
+
+def _hidden_and_targets(task: Task, outputs: Any, batch: Any, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under the chunked loss: the hidden states the model returned in place of its logits, and
+    the targets they predict, aligned. (Evaluation's forward may gather tensor-parallel outputs
+    into new tensors: only training's are checked to be the head's input itself.)"""
+    hidden = split_outputs(outputs)[1]
+    targets = targets_of(batch, task.kind)
+    if hidden is None or targets is None:
+        missing = ("hidden states (the model returned no logits)" if hidden is None else
+                   "targets (a tuple's second element or a mapping's 'labels')")
+        raise ValueError(f"train.chunked_lm_loss: kiln found no {missing} to compute the loss from; "
+                         "set train.chunked_lm_loss=false")
+    task.head.check(hidden, returned_as_is=training)
+    return _aligned(task, batch, hidden, targets)
+
+
 def micro_batch_loss(task: Task, model: Callable[..., Any], batch: Any) -> torch.Tensor:
     """The mean loss of ``model`` on one (micro-)batch already on the device (see the module)."""
+    if task.head is not None:  # the model returns hidden states: the head and loss in chunks
+        outputs = call_model(model, _without_labels(batch))
+        return task.head.loss(*_hidden_and_targets(task, outputs, batch, training=True))
     outputs = call_model(model, batch, task.pass_targets)
     if task.loss is not None:
         loss = task.loss(outputs, batch)
@@ -293,6 +325,12 @@ def _evaluate(task: Task, model: nn.Module, loader: Any, device: torch.device, d
     fed_only = False  # a pipeline rank without the last stage: it computes no metric
     for batch in loader:
         batch = to_device(batch, device, dtype)
+        if task.head is not None:  # the model returns hidden states: loss and accuracy in chunks
+            outputs = call_model(forward or model, _without_labels(batch))
+            loss, correct, scored = task.head.eval_sums(*_hidden_and_targets(task, outputs, batch, training=False))
+            add("loss", loss, scored)
+            add("accuracy", correct, scored)
+            continue
         outputs = call_model(forward or model, batch, task.pass_targets)
         if outputs is None:
             fed_only = True
