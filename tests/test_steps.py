@@ -148,3 +148,34 @@ def test_two_processes_with_accumulation_and_a_resume_into_them_train_like_one(t
     part = _run(tmp_path, "part", "train.max_steps=6")
     _kiln("train", "--resume", str(part), "--nproc", "2", "train.max_steps=14", "train.accumulate=2")
     _assert_same_training(one, part)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_the_schedule_steps_as_torch_lambdalr_does(schedule, tensor_lr):
+    """kiln's schedule is LambdaLR with a leaner step(): the same rates every step, in every
+    group, float or tensor lr, and the same state dict (checkpoints keep their form)."""
+    from omegaconf import OmegaConf
+    from torch.optim import lr_scheduler
+
+    from kiln.train._build import build_scheduler
+
+    cfg = OmegaConf.create(dict(schedule=schedule, warmup_steps=3, min_lr_ratio=0.1, lr=1e-3))
+    opts = []
+    for _ in range(2):
+        p, q = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+        opts.append(torch.optim.AdamW([{"params": [p]}, {"params": [q], "lr": 2e-3}],
+                                      lr=torch.tensor(1e-3) if tensor_lr else 1e-3))
+    ours = build_scheduler(cfg, opts[0], 20)
+    torch_s = lr_scheduler.LambdaLR(opts[1], ours.lr_lambdas[0])
+    seen = set()
+    for _ in range(25):
+        for opt, sched in zip(opts, (ours, torch_s)):
+            opt.step()
+            sched.step()
+        rates = [[float(g["lr"]) for g in o.param_groups] for o in opts]
+        assert rates[0] == rates[1] and [float(x) for x in ours.get_last_lr()] == rates[0]
+        seen.add(rates[0][0])
+    assert len(seen) == 2 if schedule == "constant" else len(seen) > 15  # the warm-up (and decay) really ran
+    mine, theirs = ours.state_dict(), torch_s.state_dict()
+    assert mine["last_epoch"] == theirs["last_epoch"] == 25 and mine["_step_count"] == theirs["_step_count"]

@@ -206,12 +206,18 @@ class StepSampler(Sampler[list[int]]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
+        order = order.tolist()  # (Python lists from here: a tensor op per step costs microseconds)
         start = 0
         for size in self.sizes:
             mine = order[start + self.rank:start + size:self.world_size]
             start += size
-            for micro in torch.tensor_split(mine, self.accumulate):
-                yield micro.tolist()
+            # torch.tensor_split's cut: the first len % accumulate micro-batches one longer
+            each, longer = divmod(len(mine), self.accumulate)
+            at = 0
+            for k in range(self.accumulate):
+                stop = at + each + (k < longer)
+                yield mine[at:stop]
+                at = stop
 
 
 def build_loader(

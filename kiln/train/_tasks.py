@@ -195,7 +195,12 @@ def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
             "kiln scores one row of logits per target. If the model's forward takes the targets (nanoGPT's "
             "forward(idx, targets) returns only the last position's logits without them), set "
             "train.pass_targets=true; or return the loss from the model, or set train.loss")
-    return F.cross_entropy(upcast(logits.flatten(0, -2)), targets.flatten())
+    if logits.ndim != 2 or targets.ndim != 1:
+        logits, targets = logits.flatten(0, -2), targets.flatten()
+    return F.cross_entropy(logits if logits.dtype in _WIDE else upcast(logits), targets)
+
+
+_WIDE = (torch.float32, torch.float64)  # the logits' dtypes cross-entropy takes as they are
 
 
 def _shifted(task: Task, batch: Any) -> bool:
