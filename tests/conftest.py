@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # run_distributed's workers are forked from a server that imported torch and kiln's trainer once
-# (kiln.parallel.testing): a call starts its workers in ~0.1 s instead of ~5 s of two new
+# (kiln.launch.testing): a call starts its workers in ~0.1 s instead of ~5 s of two new
 # interpreters importing torch; each is still a fresh process with the caller's environment.
 os.environ.setdefault("KILN_START_METHOD", "forkserver")
 
@@ -40,11 +40,11 @@ RANK_PRELOAD = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.
 
 
 def _extend_rank_preload() -> None:
-    from kiln.parallel import testing
-    from kiln.train import launch
+    from kiln.launch import testing
+    import kiln.launch as launch
 
     for preload in (testing.FORKSERVER_PRELOAD, launch.WORKER_PRELOAD):
-        # before kiln._gc_freeze, which freezes what came before it; a missing one the server skips
+        # before kiln.launch._gc_freeze, which freezes what came before it; a missing one the server skips
         preload[-1:-1] = [m for m in RANK_PRELOAD if m not in preload]
 
 

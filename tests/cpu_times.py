@@ -24,7 +24,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _live_children() -> float:
-    from kiln.train._run_dir import parent_pid
+    from kiln.train.run_dir import parent_pid
 
     me, total = os.getpid(), 0.0
     for entry in os.listdir("/proc"):

@@ -26,6 +26,6 @@ def train_in_one_group(world: int, runs: list[tuple[str, list[str]]], timeout_s:
     """Train each ``(config, overrides)`` of ``runs``, in turn, in ``world`` gloo processes
     started once; return each run's directory (each override list names its own
     ``train.output_dir``)."""
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     return [Path(p) for p in run_distributed(_train_each, world, runs, timeout_s=timeout_s)[0]]

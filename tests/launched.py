@@ -9,7 +9,7 @@ from typing import Any, Callable
 def ranks_of(launcher: int) -> dict[int, int]:
     """rank -> pid of the ranks under launcher process ``launcher``: its fork server's children,
     each named "kiln rank N" (/proc/PID/comm)."""
-    from kiln.train._run_dir import parent_pid
+    from kiln.train.run_dir import parent_pid
 
     children: dict[int | None, list[int]] = {}
     for proc in Path("/proc").glob("[0-9]*"):
@@ -28,7 +28,7 @@ def ranks_of(launcher: int) -> dict[int, int]:
 
 
 def kiln_here(*args: str) -> "subprocess.CompletedProcess[str]":
-    """``kiln ARGS`` run by this process (kiln.cli.main), as ``subprocess.run(["kiln", *args],
+    """``kiln ARGS`` run by this process (kiln.commands.main), as ``subprocess.run(["kiln", *args],
     capture_output=True, text=True)`` would report it: what this process printed (not its ranks,
     whose output goes where this process's file descriptors go). ``kiln train --nproc N`` here is
     the launcher itself, without the ~4 s of CPU a new interpreter spends importing torch and
@@ -38,7 +38,7 @@ def kiln_here(*args: str) -> "subprocess.CompletedProcess[str]":
     import io
     import subprocess
 
-    from kiln.cli import main
+    from kiln.commands import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -122,6 +122,6 @@ def _kiln_main(args: list[str], environ: dict[str, str], cwd: str, stderr: str, 
     sys.argv = [sys.executable, "-m", "kiln", *args]
     if before is not None:
         before(*before_args)
-    from kiln.cli import main
+    from kiln.commands import main
 
     sys.exit(main(args))

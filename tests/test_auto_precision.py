@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-import kiln._auto_precision as ap
+import kiln.precision.auto as ap
 import kiln.hardware
-from kiln.cli import main
+from kiln.commands import main
 from kiln.config import load_config
 from kiln.train import load_checkpoint, train
 

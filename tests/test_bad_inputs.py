@@ -21,7 +21,7 @@ VIT = str(ROOT / "configs" / "digits_vit.py")
 
 def _refused(capsys, argv: list[str]) -> str:
     """Run ``kiln ARGV`` in process; return its one stderr line after checking exit status 2."""
-    from kiln.cli import main
+    from kiln.commands import main
 
     code = main(argv)
     err = capsys.readouterr().err.strip()
@@ -112,7 +112,7 @@ def test_non_ascii_overrides_parse_like_ascii_ones():
 
 
 def test_a_non_ascii_output_dir_trains(tmp_path, capsys):
-    from kiln.cli import main
+    from kiln.commands import main
 
     out = tmp_path / "out_é"
     code = main(["train", MLP, "train.max_steps=2", "train.eval_every=0", "train.progress=none",
@@ -126,7 +126,7 @@ def test_a_non_ascii_output_dir_trains(tmp_path, capsys):
 
 
 def test_kiln_run_dir_whose_parents_do_not_exist_is_created(tmp_path, capsys, monkeypatch):
-    from kiln.cli import main
+    from kiln.commands import main
 
     run = tmp_path / "new" / "dir" / "deeper"
     monkeypatch.setenv("KILN_RUN_DIR", str(run))
@@ -141,9 +141,9 @@ def test_kiln_run_dir_whose_parents_do_not_exist_is_created(tmp_path, capsys, mo
 @pytest.mark.parametrize("launcher", ["torchrun", "kiln --nproc 2"])
 def test_kiln_run_dir_whose_parents_do_not_exist_under_torchrun(tmp_path, monkeypatch, launcher):
     """The documented multi-process form (torchrun starts the workers, KILN_RUN_DIR names the
-    run), and kiln's own launcher (here through kiln.cli.main in this process), which writes
+    run), and kiln's own launcher (here through kiln.commands.main in this process), which writes
     where KILN_RUN_DIR says too."""
-    from kiln.cli import main
+    from kiln.commands import main
 
     run = tmp_path / "new" / "dir" / "deeper"
     args = ["train.max_steps=4", "train.progress=none", f"train.output_dir={tmp_path / 'elsewhere'}"]
@@ -180,7 +180,7 @@ def _disk_full_at(monkeypatch, checkpoint: str, code: int) -> None:
 
 def test_disk_full_names_the_path_and_the_last_good_checkpoint_and_the_resume_works(tmp_path, capsys,
                                                                                      monkeypatch):
-    from kiln.cli import main
+    from kiln.commands import main
 
     runs = tmp_path / "runs"
     _disk_full_at(monkeypatch, "step-00000008", errno.ENOSPC)
@@ -205,7 +205,7 @@ def test_disk_full_names_the_path_and_the_last_good_checkpoint_and_the_resume_wo
 
 
 def test_quota_exceeded_at_the_first_save_says_to_start_again(tmp_path, capsys, monkeypatch):
-    from kiln.cli import main
+    from kiln.commands import main
 
     runs = tmp_path / "runs"
     _disk_full_at(monkeypatch, "step-00000004", errno.EDQUOT)
@@ -232,7 +232,7 @@ os.environ["KILN_BF16"] = "emulated"
 os.dup2(1, 2)  # stderr to what the test reads; the plan's table to nowhere
 sys.stdout = open(os.devnull, "w")
 {filters}
-from kiln.cli import main
+from kiln.commands import main
 code = main(["plan", {MLP!r}, "train.precision=bf16-mixed"])
 sys.stderr.write(f"exit {{code}}\\n")
 sys.stderr.flush()
@@ -250,7 +250,7 @@ def test_a_kiln_warning_is_one_line_said_once_without_a_source_line(fresh_python
 
     lines = _stderr_of_plan(fresh_python)
     note = NOTE.replace("AMD EPYC", kiln.hardware.cpu_model())
-    # not Python's "kiln/plan.py:421: PrecisionWarning: ..." and then the line of source
+    # not Python's "kiln/plan/__init__.py:421: PrecisionWarning: ..." and then the line of source
     assert lines == [f"kiln: warning: {note}", "exit 0"], lines
 
 

@@ -186,7 +186,7 @@ def test_the_gpu_page_is_written_from_a_gpu_and_only_by_a_full_run(tmp_path, mon
 @pytest.mark.e2e  # the six benchmarks' quick forms on this CPU, each in its own process: 174-246 s on 2 shared cores
 def test_kiln_bench_gpu_runs_on_a_cpu(tmp_path, capsys):
     """The script a lent GPU runs first, run here at the CPU's quick sizes."""
-    from kiln.cli import main
+    from kiln.commands import main
 
     page = h.DOCS.with_name("gpu.md")
     before = page.read_text()

@@ -103,7 +103,7 @@ def test_quick_runs_leave_the_docs_alone(tmp_path, monkeypatch):
 
 
 def test_bench_hf_without_accelerate_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
-    from kiln.cli import main
+    from kiln.commands import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
@@ -143,7 +143,7 @@ def test_device_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
     import torch
 
     from kiln.bench import ON_DEVICE, check_benchmark, get_benchmark
-    from kiln.cli import main
+    from kiln.commands import main
 
     # exactly the benchmarks whose measure takes a device say so
     assert {n for n in BENCHMARKS if "device" in inspect.signature(get_benchmark(n)).parameters} == set(ON_DEVICE)
@@ -169,7 +169,7 @@ def test_hidden_and_nproc_are_checked_and_refused_where_not_taken(tmp_path, caps
     import torch
 
     from kiln.bench import check_benchmark
-    from kiln.cli import main
+    from kiln.commands import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

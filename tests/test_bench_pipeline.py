@@ -38,7 +38,7 @@ def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path):
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     handlers = [signal.getsignal(s) for s in stops]
     report = run_benchmark("pipeline", tmp_path, quick=True)
-    # a quick run's rows run through kiln.cli.main here: launching the ranks under torchrun's
+    # a quick run's rows run through kiln.commands.main here: launching the ranks under torchrun's
     # agent leaves this process's signal handlers as they were (the agent sets four)
     assert report["setup"]["rows_in_this_process"] is True
     assert [signal.getsignal(s) for s in stops] == handlers

@@ -17,7 +17,7 @@ from kiln.errors import CheckpointError
 from kiln.precision import Precision
 from kiln.train import Checkpoints
 from kiln.train._checkpoint import checkpoint_to_resume, save_checkpoint
-from kiln.train._run_dir import RunDirBusy, RunLock
+from kiln.train.run_dir import RunDirBusy, RunLock
 
 
 def _run_with(tmp_path: Path, names: list[tuple[str, int]]) -> Path:
@@ -80,7 +80,7 @@ try:
 except run_dir.RunDirBusy as exc:
     print("busy:", exc)
 """
-_RUN_DIR_PY = str(Path(__file__).resolve().parents[1] / "kiln" / "train" / "_run_dir.py")
+_RUN_DIR_PY = str(Path(__file__).resolve().parents[1] / "kiln" / "train" / "run_dir.py")
 
 
 def test_a_lock_held_by_a_parent_is_its_childs_and_nobody_elses(tmp_path):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.train._chunked_loss as chunked
-from kiln.cli import main
+from kiln.commands import main
 from kiln.models import create_model
 from kiln.train._chunked_loss import apply_chunked_head, chunked_cross_entropy, chunked_eval_sums, head_path
 from kiln.train._tasks import Task, micro_batch_loss
@@ -305,7 +305,7 @@ def _tp_batch():
 @pytest.mark.distributed
 @pytest.mark.parametrize("tie,sp", [(False, False), (True, True)], ids=["untied", "tied-sequence-parallel"])
 def test_tensor_parallel_chunks_each_ranks_vocabulary_and_matches_one_process(tie, sp):
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     torch.manual_seed(0)
     ref_model = create_model("gpt", **ARCH, tie_embeddings=tie)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,7 +42,7 @@ def _max_rel(a: dict, b: dict) -> float:
 def one_process_runs(tmp_path_factory):
     """The one-process reference run of each set of arguments, trained once (in this process)
     for every two-process layout compared with it."""
-    from kiln.cli import main
+    from kiln.commands import main
 
     runs: dict[tuple[str, ...], Path] = {}
 

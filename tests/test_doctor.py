@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kiln.doctor as doctor
+import kiln.commands.doctor as doctor
 from kiln._environment import import_diagnosis
-from kiln.cli import main
+from kiln.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
 NMS = "operator torchvision::nms does not exist"
@@ -70,7 +70,7 @@ def test_the_report_says_what_this_machine_has(monkeypatch):
     assert report["native"]["cpu"]["bf16"] == hardware.native_low_precision("cpu", torch.bfloat16)
     assert report["native"]["cpu"]["fp8"] is False
     assert len(report["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    from kiln._auto_precision import rule
+    from kiln.precision.auto import rule
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert report["auto_precision"] == {"device": device, "mode": resolve("auto", device),

@@ -1,4 +1,4 @@
-"""FLOPs per step, the device's peak and MFU (kiln/_flops.py, kiln/train/_mfu.py)."""
+"""FLOPs per step, the device's peak and MFU (kiln/hardware/flops.py, kiln/train/_mfu.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kiln._flops as fl
-from kiln.cli import main
+import kiln.hardware.flops as fl
+from kiln.commands import main
 from kiln.train import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_gpu_attention_with_grouped_query_heads_counts_the_query_heads(kind):
 
 def test_counting_does_not_import_dynamo():
     """FlopCounterMode's hooks import torch._dynamo on first use (1-10 s); kiln's counter does not."""
-    code = ("import sys, torch; from kiln._flops import CountFlops\n"
+    code = ("import sys, torch; from kiln.hardware.flops import CountFlops\n"
             "m = torch.nn.Linear(8, 8)\n"
             "with CountFlops() as c: m(torch.randn(2, 8)).sum().backward()\n"
             "print(c.total, 'torch._dynamo' in sys.modules)")
@@ -163,7 +163,7 @@ def test_measuring_the_peaks_leaves_the_runs_random_stream_alone():
     """The peak is measured at setup, after the seed, and only where the cache has none: a run
     that measured it and one that found it cached must draw the same dropout masks (a kill -9
     resume differed from the uninterrupted run when the measurement drew from the global stream)."""
-    from kiln import _costmodel
+    from kiln.plan import _costmodel
 
     torch.manual_seed(0)
     expected = torch.rand(4)

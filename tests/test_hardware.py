@@ -20,7 +20,7 @@ def test_kiln_bf16_overrides_what_the_cpu_says(monkeypatch, answer, native):
     assert caps["native_bf16"] is native and caps["bf16_overridden"]
     assert caps["capability"] == torch.backends.cpu.get_cpu_capability()  # the rest is the CPU's own
     assert hardware.native_low_precision("cpu", torch.bfloat16) is native
-    from kiln._auto_precision import rule
+    from kiln.precision.auto import rule
 
     # auto: measured on the model where bf16 is native (fp32 until then), fp32 by rule where emulated
     assert (rule("cpu") is None) is native
@@ -48,8 +48,8 @@ def test_a_value_it_does_not_know_is_an_error_naming_the_variable(monkeypatch):
 
 
 def test_the_override_reaches_a_kiln_process_and_its_choice_of_auto():
-    # native: auto measures the model (kiln._auto_precision); emulated: fp32 by rule, unmeasured
-    code = "from kiln._auto_precision import rule; r = rule('cpu'); print(r.mode if r else 'measure')"
+    # native: auto measures the model (kiln.precision.auto); emulated: fp32 by rule, unmeasured
+    code = "from kiln.precision.auto import rule; r = rule('cpu'); print(r.mode if r else 'measure')"
     for answer, mode in (("native", "measure"), ("emulated", "fp32")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "KILN_BF16": answer}).stdout.strip()
@@ -57,7 +57,7 @@ def test_the_override_reaches_a_kiln_process_and_its_choice_of_auto():
 
 
 def test_kiln_train_refuses_a_bad_override_before_it_builds_anything(monkeypatch, tmp_path, capsys):
-    from kiln.cli import main
+    from kiln.commands import main
 
     monkeypatch.setenv("KILN_BF16", "maybe")
     code = main(["train", "configs/digits_mlp.yaml", f"train.output_dir={tmp_path}", "train.max_steps=1"])

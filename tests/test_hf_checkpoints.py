@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from kiln.cli import main  # noqa: E402
+from kiln.commands import main  # noqa: E402
 from kiln.train import load_checkpoint  # noqa: E402
 from launched import kiln_here
 
@@ -182,7 +182,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_reads_only_its_part_and_the_first_forward_equals_transformers(pretrained, world):
     """FSDP2 (dp=2, zero=3), tp=2, pp=2 (1F1B), tp=2 x pp=2 and dp=2 x tp=2 with FSDP2."""
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     cases = [(str(pretrained(family)), layout, zero) for family, layout, zero in LAYOUTS[world]]
     results = run_distributed(_load_in_layouts, world, cases)

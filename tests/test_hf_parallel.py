@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 
 pytestmark = pytest.mark.distributed  # processes on gloo
 

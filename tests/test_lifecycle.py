@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.train import load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

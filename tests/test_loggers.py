@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.train import read_metrics
 from kiln.train import _loggers
 from launched import kiln_here

@@ -171,7 +171,7 @@ def test_clear_errors():
 @pytest.mark.parametrize("command", [["train"], ["train", "--nproc", "2"], ["plan"]])
 def test_checkpointing_a_model_without_blocks_is_a_one_line_config_error_before_anything_is_built(
         tmp_path, capsys, command):
-    from kiln.cli import main
+    from kiln.commands import main
 
     config = tmp_path / "linear.yaml"
     config.write_text("model: {_target_: torch.nn.Linear, in_features: 64, out_features: 10}\n"

@@ -1,5 +1,5 @@
 """summary.json's peak_tensor_memory_mb: the peak of live tensor bytes over a run's first
-steps, from the CPU allocator's record (kiln/train/_memory.py), not the process's RSS."""
+steps, from the CPU allocator's record (kiln/train/_tensor_peak.py), not the process's RSS."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import kiln.optim
-from kiln.cli import main
-from kiln.train._memory import STEPS, TensorMemory, live_tensor_bytes
+from kiln.commands import main
+from kiln.train._tensor_peak import STEPS, TensorMemory, live_tensor_bytes
 
 MB = 2**20
 

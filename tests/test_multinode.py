@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.cli import main
-from kiln.parallel.testing import free_port
+from kiln.commands import main
+from kiln.launch.testing import free_port
 from kiln.train import load_checkpoint
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.train import load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -162,7 +162,7 @@ def _train_all(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     return run_distributed(_train_all, 2, timeout_s=300)
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import kiln.optim
 from kiln.models import create_model
 from kiln.parallel import Layout, ZeroOptimizer, parallelize
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 

@@ -19,7 +19,7 @@ from torch import nn
 import kiln.models
 import kiln.optim as ko
 from kiln.parallel import ZeroOptimizer, all_reduce_gradients, apply_fsdp, clip_grad_norm_, load_sharded, save_sharded
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 

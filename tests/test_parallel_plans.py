@@ -27,8 +27,8 @@ from torch import nn
 import kiln.models
 from kiln.models import ParallelPlan, PipelinePlan, TensorParallelPlan, create_model
 from kiln.models import _registry
-from kiln.models._plan import check_tp_divides
-from kiln.parallel.testing import run_distributed
+from kiln.models._parallel_plan import check_tp_divides
+from kiln.launch.testing import run_distributed
 
 # The module and option names of kiln's models (transformer.py, gpt.py, bert.py, vit.py, mlp.py,
 # encoder.py) that a parallel layer hard-coding a family would spell: "blocks" included (FSDP asks

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import kiln.optim as ko
 from kiln.models import create_model
 from kiln.parallel._pp import build_pipeline, check_pipeline, cut_stage, stage_ranges
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 from kiln.parallel._zero import all_reduce_gradients
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not

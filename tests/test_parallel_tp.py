@@ -18,7 +18,7 @@ from torch import nn
 import kiln.models
 import kiln.optim as ko
 from kiln.data._text import mask_tokens
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 from kiln.parallel._tp import check_tp
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not

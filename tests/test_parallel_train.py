@@ -103,7 +103,7 @@ def low_precision_runs(tmp_path_factory):
     (tests/group_runs.py), as workers of kiln train --nproc 2 run them."""
     from group_runs import train_in_one_group
 
-    from kiln.cli import main
+    from kiln.commands import main
 
     out = tmp_path_factory.mktemp("low_precision")
     for precision in LOW_PRECISION:
@@ -159,7 +159,7 @@ def _plan_mb(text: str, line: str) -> list[float]:
 
 
 def test_plan_shows_the_fullest_ranks_memory_in_a_layout(capsys):
-    from kiln.cli import main
+    from kiln.commands import main
 
     big = ["model.dim=256", "model.depth=4"]  # 3.3 M parameters: MB figures with 3 significant digits
     assert main(["plan", GPT, *big]) == 0

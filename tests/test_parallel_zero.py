@@ -16,7 +16,7 @@ from torch import nn
 import kiln.optim as ko
 from kiln.parallel import (ZeroOptimizer, all_reduce_gradients, broadcast_parameters, init_distributed, is_main,
                            rank, world_size)
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 

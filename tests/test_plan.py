@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kiln.bench.plan import compare, row
-from kiln.cli import main
+from kiln.commands import main
 from kiln.plan import CATEGORIES, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import kiln.optim
-from kiln.cli import main
+from kiln.commands import main
 from kiln.precision import LossScaler, Precision
 from kiln.train import load_checkpoint, read_metrics
 
@@ -245,7 +245,7 @@ def test_auto_is_the_default_and_resolves_by_the_hardware(monkeypatch):
     from kiln.config import load_config
     from kiln.precision import resolve
 
-    from kiln._auto_precision import AutoChoice
+    from kiln.precision.auto import AutoChoice
 
     assert load_config(MLP).train.precision == "auto"
     # without a model, auto is fp32 on a CPU: where bf16 is emulated by rule, where it is native
@@ -301,11 +301,11 @@ def _run(tmp_path: Path, *overrides: str) -> tuple[dict, dict[str, torch.Tensor]
 @pytest.mark.filterwarnings("ignore::kiln.precision.PrecisionWarning")  # the explicit bf16-mixed run on "AVX2"
 @pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])
 def test_the_resolved_mode_is_what_trains_and_the_run_records_it(tmp_path, monkeypatch, native):
-    import kiln._auto_precision
+    import kiln.precision.auto
 
     _cpu_reports(monkeypatch, native_bf16=native)
     # where bf16 is native auto times the model: here bf16-mixed measures 40% faster
-    monkeypatch.setattr(kiln._auto_precision, "measure",
+    monkeypatch.setattr(kiln.precision.auto, "measure",
                         lambda step, device, **kw: {"fp32": [10.0], "bf16-mixed": [6.0]})
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path.parent / f"{tmp_path.name}-cache"))
     expected = "bf16-mixed" if native else "fp32"
@@ -321,7 +321,7 @@ def test_the_resolved_mode_is_what_trains_and_the_run_records_it(tmp_path, monke
 
 def test_plan_and_tune_print_the_machine(monkeypatch, capsys):
     import kiln.hardware
-    import kiln.tune
+    import kiln.commands.tune
 
     assert main(["plan", MLP]) == 0
     out = capsys.readouterr().out
@@ -334,7 +334,7 @@ def test_plan_and_tune_print_the_machine(monkeypatch, capsys):
 
     row = {"overrides": ["train.precision=fp32"], "samples_per_second": 100.0, "peak_memory_mb": 1.0,
            "final_train_loss": 1.0}
-    monkeypatch.setattr(kiln.tune, "tune", lambda *args, **kwargs: [row])
+    monkeypatch.setattr(kiln.commands.tune, "tune", lambda *args, **kwargs: [row])
     assert main(["tune", MLP, "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert f"machine: {kiln.hardware.machine_line()}" in out and "AVX2, bf16 emulated" in out

@@ -1,4 +1,4 @@
-"""kiln.parallel.testing.run_distributed, which the distributed tests and the benchmarks stand on:
+"""kiln.launch.testing.run_distributed, which the distributed tests and the benchmarks stand on:
 each rank's result, the caller's environment and directory in every worker, a worker's error
 raised with its traceback, and workers forked from a forkserver that are fresh processes."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kiln.parallel.testing import run_distributed
+from kiln.launch.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.config import load_config
 from kiln.errors import ConfigError
 from kiln.train import Checkpoints, load_checkpoint, read_metrics, train
-from kiln.train._run_dir import RunLock
+from kiln.train.run_dir import RunLock
 from launched import KilnProcess, ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def _beat(at: float, step: int, ended: bool = False) -> dict:
 def test_the_launcher_names_the_rank_that_stopped_or_died_not_the_rank_that_noticed(tmp_path):
     from types import SimpleNamespace
 
-    from kiln.train.launch import _failures as said
+    from kiln.launch import _failures as said
 
     (tmp_path / "error.json").write_text("{}")
 
@@ -322,7 +322,7 @@ def test_the_launcher_names_the_rank_that_stopped_or_died_not_the_rank_that_noti
 
 
 def test_a_heartbeat_beats_until_its_rank_ends_and_marks_the_end(tmp_path):
-    from kiln.train._heartbeat import Heartbeat, read_beats
+    from kiln.train.heartbeat import Heartbeat, read_beats
 
     heart = Heartbeat()
     heart.start(tmp_path, rank=3, every_s=0.02)

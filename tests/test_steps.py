@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.data import StepSampler
 from kiln.train import load_checkpoint
 from launched import kiln_here

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.config import ConfigError, load_config, validate
 from kiln.data import build_dataset
 from kiln.data._tokens import token_stream

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.train import load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,7 @@ def test_compile_switch_matches_eager_and_reports_compile_time(tmp_path):
 
 
 def test_tune_measures_every_candidate_and_recommends_the_fastest(capsys):
-    from kiln.tune import candidates, tune
+    from kiln.commands.tune import candidates, tune
 
     assert len(candidates()) == 8 and len(candidates(compile=True)) == 16
     rows = tune(MLP, steps=3, keys=["optim.contiguous"])
@@ -254,7 +254,7 @@ def test_a_run_imports_neither_torchs_compiler_nor_scikit_learn(fresh_python, tm
     # the meta device (the fit check)
     code = f"""
 import os, sys
-from kiln.cli import main
+from kiln.commands import main
 os.environ["KILN_CACHE_DIR"] = {str(tmp_path)!r}
 args = ["train", {str(ROOT / config)!r}, "train.max_steps=3", "train.eval_every=2", "train.checkpoint_every=2",
         "train.precision=fp32", "train.output_dir={tmp_path / 'runs'}"]

@@ -1,5 +1,5 @@
-"""kiln tune --memory-budget and parallel.auto=true: the search (kiln/_search.py), its cost model
-(kiln/_costmodel.py), the trials (kiln/tune.py) and the launcher's choice (kiln/train/launch.py).
+"""kiln tune --memory-budget and parallel.auto=true: the search (kiln/plan/search.py), its cost model
+(kiln/plan/_costmodel.py), the trials (kiln/commands/tune.py) and the launcher's choice (kiln/launch/__init__.py).
 
 The budget-free grid of kiln tune is tested in test_train.py."""
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.config import ConfigError, load_config
 from launched import kiln_here
 
@@ -31,7 +31,7 @@ def _kiln(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_step_seconds_charges_flops_operators_and_collectives():
-    from kiln._costmodel import Speeds, predict_seconds
+    from kiln.plan._costmodel import Speeds, predict_seconds
 
     s = Speeds(flops_per_s={"fp32": 1e10, "bf16": 1e9}, seconds_per_op=1e-5, collective_bytes_per_s=1e8,
                collective_latency_s=1e-3)
@@ -47,7 +47,7 @@ def test_step_seconds_charges_flops_operators_and_collectives():
 
 
 def test_speeds_are_measured_once_and_cached(monkeypatch, tmp_path):
-    from kiln import _costmodel
+    from kiln.plan import _costmodel
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     measured = []
@@ -63,7 +63,7 @@ def test_speeds_are_measured_once_and_cached(monkeypatch, tmp_path):
 
 
 def test_the_space_holds_the_layouts_the_family_allows():
-    from kiln._search import space
+    from kiln.plan.search import space
 
     load = lambda more: load_config(GPT, more)  # noqa: E731
     cands = space(load, 2, {}, precisions=("fp32", "bf16-mixed"), compiles=(False,))
@@ -82,7 +82,7 @@ def test_the_space_holds_the_layouts_the_family_allows():
 
 
 def test_search_drops_what_is_over_budget_and_ranks_the_rest():
-    from kiln._search import search
+    from kiln.plan.search import search
     from kiln.plan import plan
 
     load = lambda more: load_config(MLP, ["train.precision=fp32", *more])  # noqa: E731
@@ -167,7 +167,7 @@ def test_parallel_auto_over_two_processes_reruns_bitwise(tmp_path):
 
 
 def test_parallel_auto_is_the_launchers(monkeypatch):
-    from kiln.train.launch import train_command
+    from kiln.launch import train_command
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(ConfigError, match="chosen once, by kiln train --nproc N"):
@@ -210,7 +210,7 @@ def test_a_trial_trains_in_processes_of_its_own_and_reports_their_error(tmp_path
     """kiln tune's trial is launched from the tuner (its ranks forked from the shared fork server,
     no new interpreter): even one process is not the tuner's own; a rank's error comes back as
     the trial's note, its output is not the tuner's, and the tuner's environment is as before."""
-    from kiln.tune import _trial
+    from kiln.commands.tune import _trial
 
     config = tmp_path / "recorded.py"
     config.write_text(TRIAL_CONFIG)

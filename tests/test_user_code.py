@@ -494,7 +494,7 @@ train = dict(max_steps=1)
 def _plan_here(tmp_path: Path, config: Path, capsys, monkeypatch) -> str:
     """kiln plan in this process, from another directory (what a launcher adds to sys.path is
     the test above's)."""
-    from kiln.cli import main
+    from kiln.commands import main
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)

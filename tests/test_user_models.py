@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.cli import main
+from kiln.commands import main
 from kiln.train import read_metrics
 
 transformers = pytest.importorskip("transformers")
@@ -248,7 +248,7 @@ def test_every_family_in_two_processes_under_zero_0_to_3_and_tp_equals_one_proce
     or five families); the planned ones under tp=2 too, whose last step evaluates a labelled HF
     LM on vocabulary-sharded logits. Every curve and evaluation equals the one-process run's. In
     fp64, under ZeRO 0 and 2, weights and loss agree to 1e-12."""
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     stages = {f: (0, 1 + i % 2, 3) for i, f in enumerate(FAMILIES)}
     cases = [(f, [f"parallel.zero={z}", "train.max_steps=4"]) for f in FAMILIES for z in stages[f]]

@@ -25,7 +25,7 @@ backward inside ``sync_gradients(optimizer, last=True)``, ``all_reduce_gradients
 ``ZeroOptimizer`` its ``reduce_gradients``: waiting for the buckets), step, zero_grad; DDP's
 reducer reduces inside backward, so its step is forward, backward, step, zero_grad. A
 1-process run of ``kiln_sync`` on the whole global batch is the baseline of scaling. Every
-process has one intra-op thread (``kiln.parallel.testing.run_distributed``); per model:
+process has one intra-op thread (``kiln.launch.testing.run_distributed``); per model:
 warm-up steps, timed steps, then profiled steps under ``torch.profiler`` (CPU activities).
 
 Columns, per model and method:
@@ -281,7 +281,7 @@ def _comm(prof: Any, steps: int) -> dict[str, Any]:
 
 # -- rows, table, chart -------------------------------------------------------------------------------
 def _measure(names: tuple[str, ...], quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     backend = "nccl" if device == "cuda" else "gloo"
     one: dict[str, list[dict[str, Any]]] = {name: [] for name in names}

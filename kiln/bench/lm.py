@@ -174,7 +174,7 @@ def _run_row(name: str, quick: bool, device: str) -> dict[str, Any]:
 
 
 def measure(quick: bool = False, device: str = "cpu") -> Result:
-    from kiln._flops import peak_flops
+    from kiln.hardware.flops import peak_flops
 
     size = _size(quick, device)
     tokens = size["batch"] * size["seq"]

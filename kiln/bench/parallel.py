@@ -9,7 +9,7 @@ AdamW (fp32; arena when the layout allows it, multi-tensor over DTensor shards u
 the trainer's order: forward + backward (the 1F1B schedule over ``MICROBATCHES`` micro-batches
 when pp > 1), ``reduce_gradients`` over dp, ``step``, ``zero_grad``. Each layout runs in a
 spawned gloo group of dp*tp*pp processes with one intra-op thread each
-(``kiln.parallel.testing.run_distributed``); layouts with the same number of ranks share one
+(``kiln.launch.testing.run_distributed``); layouts with the same number of ranks share one
 group and run one after the other, both models each, every run on freshly built meshes and
 from freed memory (starting processes and importing torch, DTensor and pipelining costs more
 than a quick run's steps).
@@ -284,7 +284,7 @@ def _bubbles(ranks: list[dict[str, Any]]) -> list[float]:
 
 
 def _measure(models: tuple[str, ...], layouts: list[tuple[int, int, int]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     # One spawned group per number of ranks, running its layouts one after the other: starting
     # processes and importing torch, DTensor and pipelining there costs more than a quick run's

@@ -25,7 +25,7 @@ step budget, the article's fixed number of epochs), evaluating every ``eval_ever
 
 Each row is one ``python -m kiln train pipeline.yaml [--nproc 2] KEY=VALUE ...`` in a fresh
 process (the command is in the JSON: paste it to rerun a row). ``--quick`` is a smoke run of the
-same rows: each runs its arguments through :func:`kiln.cli.main` in the bench's own process (a
+same rows: each runs its arguments through :func:`kiln.commands.main` in the bench's own process (a
 row with ``--nproc 2`` forks its ranks from that process's fork server), so its command and CPU
 seconds leave out Python's start-up and the imports, and the ranks' CPU is not counted. Columns:
 
@@ -192,10 +192,10 @@ def _command(argv: list[str]) -> tuple[int, str]:
 
 
 def _in_this_process(argv: list[str]) -> tuple[int, str]:
-    """``kiln ARGV`` through :func:`kiln.cli.main` in this process (quick runs): no interpreter to
+    """``kiln ARGV`` through :func:`kiln.commands.main` in this process (quick runs): no interpreter to
     start and no imports to repeat; ``--nproc 2`` forks its ranks from this process's fork server.
     Its output goes where this process's goes."""
-    from kiln.cli import main
+    from kiln.commands import main
 
     saved = {k: os.environ.pop(k) for k in _NOT_INHERITED if k in os.environ}
     try:

@@ -4,11 +4,11 @@ grid of models, precisions, activation checkpointing, micro-batches and layouts.
 Each row is planned (:func:`kiln.plan.plan`: kiln's set-up and two steps traced on fake tensors
 with a fake process group) and then run for real: kiln's own set-up (``kiln.train.setup``) and
 two training steps, in this process (one rank) or in N gloo processes
-(:func:`kiln.parallel.testing.run_distributed`). The measured figure is the allocator's: the
+(:func:`kiln.launch.testing.run_distributed`). The measured figure is the allocator's: the
 bytes of every tensor live as the second (steady) step starts (every CPU tensor the collector
 finds, less the data sets' own), plus the highest running sum of the CPU allocations and frees
 that ``torch.profiler.profile(profile_memory=True)`` records during the step. ``summary.json``'s
-``peak_tensor_memory_mb`` (:class:`kiln.train._memory.TensorMemory`) takes as its baseline only
+``peak_tensor_memory_mb`` (:class:`kiln.train._tensor_peak.TensorMemory`) takes as its baseline only
 what the model and optimizer hold; it is shown beside ("summary MB"): it leaves out a
 pipeline's receive buffers and the batch, which the plan counts. Every rank is compared; the
 table shows the fullest rank of each row, and the error of the worst rank.
@@ -287,7 +287,7 @@ def measured_peaks(cfg: Any, world: int, device: str = "cpu") -> list[dict[str, 
         return [_measure_cuda(cfg)]
     if world == 1:
         return [_measure_rank(0, 1, cfg)]
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     return run_distributed(_measure_rank, world, cfg, timeout_s=600)
 

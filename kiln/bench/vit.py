@@ -50,7 +50,7 @@ initial weights, same data order) with the config's onecycle schedule, and evalu
 The other columns name the row's config: precision, pool, token layout, optimizer
 (``optim.impl``), ZeRO stage, compile, global batch.
 
-2 processes (``kiln.parallel.testing.run_distributed``: gloo on 127.0.0.1; each row's
+2 processes (``kiln.launch.testing.run_distributed``: gloo on 127.0.0.1; each row's
 ``kiln train`` run joins the group, as a worker of ``kiln train --nproc 2`` joins torchrun's)
 x 1 intra-op thread (``train.threads=1``). On a CPU without native bf16 (see the
 machine line above the table) bf16 is emulated through fp32 and the bf16 rows are slower, not
@@ -304,7 +304,7 @@ class _Peak:
 # -- one rank ---------------------------------------------------------------------------------------
 def _worker(rank: int, world: int, table: list[dict[str, Any]], quick: bool, device: str = "cpu",
             sizes: Sizes | None = None, workers: int | str = 0) -> list[dict[str, Any]]:
-    """Rank ``rank`` of ``kiln.parallel.testing.run_distributed``'s group (or the one process of
+    """Rank ``rank`` of ``kiln.launch.testing.run_distributed``'s group (or the one process of
     a one-process table): every row in turn, each a whole ``kiln.train.train`` run in this
     process's group (a run leaves a group it did not make up), as a worker started by ``kiln
     train --nproc`` runs one."""
@@ -381,7 +381,7 @@ def measure(quick: bool = False, device: str = "cpu", nproc: int | None = None, 
     """The table on ``device`` in ``nproc`` processes (default :func:`default_nproc`);
     ``sizes``: what the rows train, default the device's (:data:`SIZES`; a test runs the GPU's
     table on a CPU with a smaller model)."""
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     nproc = check_nproc(default_nproc(device) if nproc is None else nproc, device)
     sizes = sizes or SIZES[device]

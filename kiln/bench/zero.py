@@ -105,7 +105,7 @@ def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int) -> dict
 
 
 def measure(quick: bool = False) -> Result:
-    from kiln.parallel.testing import run_distributed
+    from kiln.launch.testing import run_distributed
 
     width, depth = (QUICK_WIDTH, QUICK_DEPTH) if quick else (WIDTH, DEPTH)
     steps = 2 if quick else 4

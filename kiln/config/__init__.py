@@ -14,6 +14,7 @@ or ``/path/to/file.py:name`` for a function defined in a config file or a module
 
 from kiln.config._lazy import InstantiateError, LazyCall, build_callable, instantiate, locate, target_path
 from kiln.config._load import load_config, parse_overrides, save_config, validate
+from kiln.config._units import parse_size
 from kiln.config._schema import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from kiln.config._types import ConfigError
 
@@ -30,6 +31,7 @@ __all__ = [
     "load_config",
     "locate",
     "parse_overrides",
+    "parse_size",
     "save_config",
     "target_path",
     "validate",

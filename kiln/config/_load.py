@@ -499,7 +499,7 @@ def _validate_ranges(cfg: dict[str, Any]) -> None:
                                   "train.output_dir to a directory (it is created if missing)")
             break
     if train["memory_budget"] is not None:
-        from kiln._units import parse_size
+        from kiln.config._units import parse_size
 
         try:
             parse_size(train["memory_budget"])

@@ -92,7 +92,7 @@ class TrainConfig:
     # timed on the model at setup; emulated bf16: fp32; a GPU with bf16 units: bf16-mixed) |
     # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state; fp16
     # with dynamic loss scaling) | bf16-true (bf16 params and activations, fp32 master weights
-    # and optimizer state) | fp64 (for numerical checks). See kiln/precision.py.
+    # and optimizer state) | fp64 (for numerical checks). See kiln/precision/__init__.py.
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64"] = "auto"
     accumulate: int = 1  # micro-batches per optimizer step, each data.batch_size / accumulate
     clip_grad_norm: Optional[float] = None  # clip the global gradient norm (after unscaling)
@@ -146,7 +146,7 @@ class ParallelConfig:
     # equal the number of processes started.
     # true: kiln train --nproc N chooses dp x tp x pp, zero, train.accumulate and
     # train.activation_checkpointing before any process starts: the fastest by kiln's cost model
-    # whose planned peak fits train.memory_budget (kiln/_search.py); the run's config.yaml holds
+    # whose planned peak fits train.memory_budget (kiln/plan/search.py); the run's config.yaml holds
     # the choice and parallel.auto=false, so a rerun from it trains the same layout
     auto: bool = False
     dp: Optional[int] = None  # data-parallel ranks; None: world size / (tp * pp)

@@ -28,7 +28,7 @@ and then filled with :func:`load_weights`::
 A kiln checkpoint of a transformers model, in whatever layout the run had, is written back in
 the Hugging Face layout, which ``from_pretrained`` loads in one process, by
 :func:`export_checkpoint`: ``RUN_DIR/hf/`` at the end of a run, and ``kiln export RUN_DIR --to hf
-DIR`` for any of its checkpoints (:func:`kiln.hf.export.export_run`, which finds the checkpoint).
+DIR`` for any of its checkpoints (:func:`kiln.commands.export.export_run`, which finds the checkpoint).
 
 Loading never executes code: safetensors headers and data only (no pickle), and the config is
 transformers' JSON ``config.json`` without ``trust_remote_code``.

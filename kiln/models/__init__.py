@@ -3,10 +3,10 @@
 Models never import parallelism or trainer code; every model exposes its repeated
 blocks as ``model.blocks`` (an ``nn.ModuleList``) so activation checkpointing and
 FSDP can be applied from outside. A family that splits over tensor- or pipeline-parallel
-ranks declares how in a :class:`ParallelPlan` registered with it (``kiln/models/_plan.py``).
+ranks declares how in a :class:`ParallelPlan` registered with it (``kiln/models/_parallel_plan.py``).
 """
 
-from kiln.models._plan import STYLE_NAMES, ParallelPlan, PipelinePlan, TensorParallelPlan, TPContext
+from kiln.models._parallel_plan import STYLE_NAMES, ParallelPlan, PipelinePlan, TensorParallelPlan, TPContext
 from kiln.models._registry import (
     create_model,
     example_input,

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.models._plan import ParallelPlan, PipelinePlan, TensorParallelPlan, check_tp_divides
+from kiln.models._parallel_plan import ParallelPlan, PipelinePlan, TensorParallelPlan, check_tp_divides
 
 __all__ = ["lm_plan", "check_lm_tp"]
 

@@ -15,7 +15,7 @@ shaped input with :func:`example_input`; the model tests loop over
 :func:`list_models` and use it, so a new model is tested the day it lands.
 
 A family that can be split over tensor- or pipeline-parallel ranks registers its
-:class:`~kiln.models._plan.ParallelPlan` with it (``register_model("gpt", GPTConfig,
+:class:`~kiln.models._parallel_plan.ParallelPlan` with it (``register_model("gpt", GPTConfig,
 plan=GPT_PLAN)``); ``kiln.parallel`` finds it with :func:`find_plan`, and config checks ask
 :func:`model_plan` and :func:`models_with` for capabilities rather than for names.
 """
@@ -29,7 +29,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from kiln.models._plan import ParallelPlan
+from kiln.models._parallel_plan import ParallelPlan
 
 __all__ = ["register_model", "register_plan", "create_model", "list_models", "model_config_class", "example_input",
            "model_plan", "find_plan", "models_with", "repeated_blocks"]
@@ -53,7 +53,7 @@ def register_model(name: str, config_cls: type, *, plan: ParallelPlan | None = N
 
     ``config_cls`` must be a dataclass whose every field has a default, so that
     ``create_model(name)`` builds the model with its defaults. ``plan``: how the family splits
-    over tensor- and pipeline-parallel ranks (see :mod:`kiln.models._plan`); without one the
+    over tensor- and pipeline-parallel ranks (see :mod:`kiln.models._parallel_plan`); without one the
     model trains with every layout that needs no plan (data parallel, ZeRO, FSDP2).
     """
     if plan is not None and not isinstance(plan, ParallelPlan):

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.models._plan import ParallelPlan, PipelinePlan, TensorParallelPlan, TPContext, check_tp_divides
+from kiln.models._parallel_plan import ParallelPlan, PipelinePlan, TensorParallelPlan, TPContext, check_tp_divides
 
 __all__ = ["LLAMA_LIKE", "hf_plan", "hf_families", "gpt2_held_shape"]
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from kiln.errors import CheckpointError, ConfigError
-from kiln.train._run_dir import CHECKPOINTS, disk_full_in, interrupt_in
+from kiln.train.run_dir import CHECKPOINTS, disk_full_in, interrupt_in
 
 # Keys that may differ between a run's config and its checkpoint on resume: they change how long
 # or how visibly the run goes on, or how it is laid out over processes, never what it computes.

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError, KilnWarning
-from kiln.train._run_dir import CONFIG
+from kiln.train.run_dir import CONFIG
 
 __all__ = ["LOGGERS_FILE", "LoggerWarning", "Loggers", "check_loggers"]
 

@@ -1,6 +1,6 @@
 """The run's MFU (model FLOPs utilization): the FLOPs a step does, counted once, on the first
-step of each process (:class:`kiln._flops.CountFlops`, ~20-100 ms for the digits ViT), against
-the peak FLOP/s of the devices that run it (:func:`kiln._flops.peak_flops`: a GPU's
+step of each process (:class:`kiln.hardware.flops.CountFlops`, ~20-100 ms for the digits ViT), against
+the peak FLOP/s of the devices that run it (:func:`kiln.hardware.flops.peak_flops`: a GPU's
 datasheet, a CPU's matmul measured once and cached), taken at setup, before the clock starts.
 
 FLOPs are counted per sample, so a window of steps of any size (an epoch's short last step)
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kiln._flops import CountFlops, mfu, peak_flops
+from kiln.hardware.flops import CountFlops, mfu, peak_flops
 
 __all__ = ["Mfu"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.train._run_dir import read_metrics
+from kiln.train.run_dir import read_metrics
 
 
 def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:

@@ -28,7 +28,7 @@ from kiln.hf import deferred_weights, load_inner_weights, load_weights, material
 from kiln.parallel import Parallel, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
-from kiln.train._memory import TensorMemory
+from kiln.train._tensor_peak import TensorMemory
 from kiln.train._mfu import Mfu
 from kiln.train._build import (
     Data,
@@ -47,7 +47,7 @@ from kiln.train._chunked_loss import AUTO_MIN_BYTES, apply_chunked_head, chunked
 from kiln.train._loggers import Loggers, check_loggers
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
-from kiln.train._run_dir import CONFIG, RunDir, RunLock
+from kiln.train.run_dir import CONFIG, RunDir, RunLock
 from kiln.train._tasks import Task, loss_from_logits
 
 
@@ -203,7 +203,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
     task = build_task(cfg, data, model)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
     if precision.requested == "auto":
-        # fp32 or bf16-mixed, whichever trains this model faster here (kiln/_auto_precision.py):
+        # fp32 or bf16-mixed, whichever trains this model faster here (kiln/precision/auto.py):
         # timed on rank 0 before the model is laid out (its passes then need no collective);
         # config.yaml records the choice, so a rerun from it does not measure
         precision.settle(_auto_precision(cfg, resumed, model, task, data, layout, device, rank, world))
@@ -354,9 +354,9 @@ def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], dev
 
 def _auto_precision(cfg: Any, resumed: Any, model: nn.Module, task: Task, data: Data, layout: Any,
                     device: torch.device, rank: int, world: int) -> Any:
-    """What ``train.precision=auto`` trains in (:mod:`kiln._auto_precision`): a resumed run's
+    """What ``train.precision=auto`` trains in (:mod:`kiln.precision.auto`): a resumed run's
     checkpoint's mode, the rule's, or rank 0's measurement of ``model``, given to every rank."""
-    from kiln._auto_precision import CANDIDATES, AutoChoice, rule
+    from kiln.precision.auto import CANDIDATES, AutoChoice, rule
 
     if resumed is not None and resumed[1].get("precision", {}).get("mode") in CANDIDATES:
         # never measured again: a resumed run goes on in the mode it trained in
@@ -378,7 +378,7 @@ def _measure_precision(cfg: Any, model: nn.Module, task: Task, data: Data, layou
                        device: torch.device) -> Any:
     """Forward and backward of ``model`` (the whole model, not yet laid out) on this rank's
     first micro-batch, in fp32 and bf16-mixed."""
-    from kiln._auto_precision import AutoChoice, choose_for_model, same_random
+    from kiln.precision.auto import AutoChoice, choose_for_model, same_random
     from kiln.train._tasks import micro_batch_loss, to_device
 
     tc = cfg.train

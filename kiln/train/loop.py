@@ -38,10 +38,10 @@ from kiln.hf import export_checkpoint, is_hf_model
 from kiln.train._batches import Step
 from kiln.train._build import build_model
 from kiln.train._checkpoint import Checkpoints, plain, save_checkpoint
-from kiln.train._heartbeat import beat
+from kiln.train.heartbeat import beat
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
-from kiln.train._run_dir import CHECKPOINTS, raise_if_stopped, stopped_by
+from kiln.train.run_dir import CHECKPOINTS, raise_if_stopped, stopped_by
 from kiln.train._setup import Run, peak_memory_mb, setup
 from kiln.train._tasks import evaluate, loss_parts, micro_batch_loss, to_device
 

@@ -7,8 +7,8 @@ with kiln train and are not an API for users.
 
 from kiln.train._batches import Batches, Step, steps_per_epoch
 from kiln.train._build import build_data, build_model, build_scheduler, build_task, check_model
-from kiln.train._memory import _running_peak as running_peak
-from kiln.train._memory import TensorMemory, live_tensor_bytes
+from kiln.train._tensor_peak import _running_peak as running_peak
+from kiln.train._tensor_peak import TensorMemory, live_tensor_bytes
 from kiln.train._setup import Meter, lay_out, setup
 from kiln.train._setup import _check_steps as check_steps
 from kiln.train._setup import _to as to_device

@@ -3,7 +3,7 @@
 ``train.precision``:
 
 - ``auto`` (default): ``fp32`` or ``bf16-mixed``, whichever trains the run's model faster on
-  this device (:mod:`kiln._auto_precision`). On a CPU with native bf16 (AVX-512-BF16 or AMX;
+  this device (:mod:`kiln.precision.auto`). On a CPU with native bf16 (AVX-512-BF16 or AMX;
   :func:`kiln.hardware.native_low_precision`) kiln times a few forward + backward passes of the
   model on a real batch in both modes, because bf16 pays on some shapes and not on others; on
   a CPU that emulates bf16 it is ``fp32`` without measuring (on an AVX2-only AMD EPYC, torch
@@ -71,7 +71,7 @@ def resolve(mode: str, device: torch.device | str) -> str:
         raise ValueError(f"unknown precision {mode!r}; choose one of {', '.join(MODES)}")
     if mode != "auto":
         return mode
-    from kiln._auto_precision import rule
+    from kiln.precision.auto import rule
 
     ruled = rule(device)
     return ruled.mode if ruled is not None else "fp32"
@@ -298,7 +298,7 @@ class Precision:
         self.masters: MasterWeights | None = None
 
     def settle(self, choice: Any) -> None:
-        """``auto``'s final answer (a :class:`kiln._auto_precision.AutoChoice`), once the model
+        """``auto``'s final answer (a :class:`kiln.precision.auto.AutoChoice`), once the model
         is built: fp32 or bf16-mixed, which build the model, its inputs and the optimizer alike
         and differ only in autocast, so the policy can change mode up to here."""
         if self.requested != "auto" or choice.mode not in ("fp32", "bf16-mixed"):

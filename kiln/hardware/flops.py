@@ -186,7 +186,7 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float | 
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
         peak = gpu_peak(gpu, dtype)
-        return peak, f"{gpu} datasheet, dense {name}" if peak else f"{gpu}: not in kiln._flops.GPU_PEAKS"
+        return peak, f"{gpu} datasheet, dense {name}" if peak else f"{gpu}: not in kiln.hardware.flops.GPU_PEAKS"
     if device.type == "cpu":
         return cpu_peak(dtype), f"{name} matmul measured on this CPU, {torch.get_num_threads()} thread(s)"
     return None, f"no peak known for {device.type}"

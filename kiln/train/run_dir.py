@@ -7,7 +7,7 @@ finished says ``"completed"``; a crash or Ctrl-C (or SIGTERM) leaves ``"failed"`
 A run directory has one writer at a time: :class:`RunLock`, an exclusive ``flock`` on
 ``RUN_DIR/.lock`` held for as long as the run writes. The kernel drops it when its process
 dies, so a killed run never blocks its own resume. Under ``kiln train --nproc N`` the launcher
-holds it for its workers (kiln/train/launch.py).
+holds it for its workers (kiln/launch/__init__.py).
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def stop_signals() -> Iterator[None]:
     kill) raises Terminated, and :func:`stopped_by` knows which came; the handlers before it
     come back after, SIGHUP's and SIGQUIT's too (torchrun's agent, which ``kiln train --nproc``
     runs in this process, points them at its own handler for good: a caller of
-    ``kiln.cli.main`` would otherwise get its exception on every later SIGHUP or SIGQUIT).
+    ``kiln.commands.main`` would otherwise get its exception on every later SIGHUP or SIGQUIT).
     Only the main thread can set handlers: elsewhere it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -7,7 +7,7 @@ of a step is not computed from a formula: :func:`plan` runs kiln's own set-up
 FSDP2, the optimizer's arena, master weights, ZeRO) and two training steps
 (:func:`kiln.train.loop.train_step`) for each distinct rank of the ``dp x tp x pp`` layout, on
 fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no memory) with a fake process
-group (torch's ``fake`` backend: collectives do nothing). :class:`kiln._memtrace.StorageTracker`
+group (torch's ``fake`` backend: collectives do nothing). :class:`kiln.plan._memtrace.StorageTracker`
 follows every storage and reports the second (steady) step's peak of live bytes by category;
 ``torch.utils.flop_counter`` counts its FLOPs. What is predicted is the code that runs, so a
 feature is planned the day it lands, and the trace is a dry run: a layout, shape or config
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kiln._units import parse_size  # (kiln plan --memory-budget; importable from here as before)
+from kiln.config import parse_size  # (kiln plan --memory-budget; importable from here as before)
 
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
            "machine_budget", "parse_size", "plan", "run_budget", "runtime_reserve"]
@@ -397,7 +397,7 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kiln._memtrace import StorageTracker
+    from kiln.plan._memtrace import StorageTracker
     from kiln.hf import deferred_weights, materialize, meta_parameters
     from kiln.optim import norms_as_row_views
     from kiln.precision import Precision

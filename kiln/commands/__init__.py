@@ -267,7 +267,7 @@ def _version() -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from kiln.train.launch import train_command
+    from kiln.launch import train_command
 
     if args.nproc < 1:
         raise _UsageError(f"--nproc {args.nproc} must be at least 1")
@@ -347,7 +347,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         for flag, given in (("--nproc", args.nproc != 1), ("--json", args.json), ("--plan-all", args.plan_all)):
             if given:
                 raise _UsageError(f"{flag} goes with --memory-budget SIZE (the layout search)")
-        from kiln.tune import table, tune
+        from kiln.commands.tune import table, tune
 
         # what is fastest depends on the hardware: bf16 pays only where it is native
         print(f"machine: {machine_line()}", flush=True)
@@ -358,7 +358,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     import json
 
     from kiln.plan import parse_size
-    from kiln.tune import budget_json, budget_report, tune_within
+    from kiln.commands.tune import budget_json, budget_report, tune_within
 
     try:
         budget = parse_size(args.memory_budget)
@@ -379,7 +379,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from kiln.train.report import check_runs, plot, table
+    from kiln.commands.report import check_runs, plot, table
 
     try:
         runs = check_runs(args.runs)
@@ -391,7 +391,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from kiln.hf.export import export_run
+    from kiln.commands.export import export_run
 
     fmt, out = args.to[0], Path(args.to[1])
     if fmt != "hf":
@@ -404,7 +404,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from kiln.doctor import main as doctor
+    from kiln.commands.doctor import main as doctor
 
     return doctor(as_json=args.json, compile=not args.no_compile)
 
@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    from kiln.train.launch import exit_status
+    from kiln.launch import exit_status
 
     # one line and exit 2 for what the user can fix, 1 for a full disk, 128 + N after signal N
     return exit_status(lambda: args.func(args), user_errors=(_UsageError,))

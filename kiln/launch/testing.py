@@ -1,6 +1,6 @@
 """Run a function in N gloo processes on this machine (tests and benchmarks).
 
-    >>> from kiln.parallel.testing import run_distributed
+    >>> from kiln.launch.testing import run_distributed
     >>> def fn(rank, world):            # must be importable: defined at module level
     ...     return rank * 10
     >>> run_distributed(fn, 2)          # doctest: +SKIP
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kiln.train.launch import WORKER_PRELOAD
+from kiln.launch import WORKER_PRELOAD
 
 
 def free_port() -> int:
@@ -64,8 +64,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
 
 
 # what a forkserver imports once, before it forks the workers: torch.distributed and kiln.parallel,
-# then kiln's launcher's fork server's list (kiln.train.launch.WORKER_PRELOAD), so that a process
-# using both has one server for both; that list ends with kiln._gc_freeze, which freezes the rest
+# then kiln's launcher's fork server's list (kiln.launch.WORKER_PRELOAD), so that a process
+# using both has one server for both; that list ends with kiln.launch._gc_freeze, which freezes the rest
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kiln.parallel", *WORKER_PRELOAD]
 
 

@@ -1,6 +1,6 @@
 """The search behind ``kiln tune --memory-budget`` and ``parallel.auto=true``: the configurations of
 a run over N processes, planned (:func:`kiln.plan.plan`), dropped when over the memory budget,
-and ranked by the cost model (:mod:`kiln._costmodel`) before any of them runs.
+and ranked by the cost model (:mod:`kiln.plan._costmodel`) before any of them runs.
 
 The axes (a key the user gave on the command line is pinned to its value, not searched):
 
@@ -190,7 +190,7 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
     """Plan and rank the candidates of ``load``'s config over ``nproc`` processes within ``budget``
     bytes a rank (see the module); ``want``: how many fitting candidates to plan before stopping
     (all of them with ``exhaustive``). Raises :class:`NoFit` when none fits."""
-    from kiln._costmodel import measure_speeds, predict_seconds
+    from kiln.plan._costmodel import measure_speeds, predict_seconds
     from kiln.plan import plan
 
     pinned = dict(pinned or {})

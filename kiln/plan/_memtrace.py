@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from kiln._flops import op_flops
+from kiln.hardware.flops import op_flops
 
 __all__ = ["CATEGORIES", "StorageTracker", "storages_of"]
 
@@ -103,7 +103,7 @@ class StorageTracker(TorchDispatchMode):
         self.live = 0
         self.marks: dict[str, set[int]] = {"saved": set(), "collective": set()}
         self._next = 0
-        self.count_flops = False  # add each operator's FLOPs to ``flops`` (kiln._flops.op_flops)
+        self.count_flops = False  # add each operator's FLOPs to ``flops`` (kiln.hardware.flops.op_flops)
         self.flops = 0
         # while counting, also: operators dispatched, and collectives with the bytes handed to them
         # (what kiln tune's cost model charges for per-operator overhead and communication)

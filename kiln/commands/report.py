@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kiln.train._run_dir import METRICS, SUMMARY, read_metrics
+from kiln.train.run_dir import METRICS, SUMMARY, read_metrics
 
 _COLUMNS = ("status", "steps", "final_train_loss", "samples_per_second", "peak_memory_mb", "wall_seconds")
 

@@ -38,12 +38,9 @@ from typing import Any, Callable, Iterator
 from kiln.config import load_config
 from kiln.errors import (SHOWN_WARNINGS_ENV, CheckpointError, ConfigError, KilnWarning, one_line_warnings,
                          shown_warnings)
-from kiln.train._build import check_model
-from kiln.train._checkpoint import Checkpoints, has_checkpoint
-from kiln.train._heartbeat import EVERY_S, HEARTBEAT_DIR_ENV, beat, read_beats, silent_ranks
-from kiln.train._loggers import check_loggers
-from kiln.train._ranks import check_layout
-from kiln.train._run_dir import (
+from kiln.train import Checkpoints, check_layout, check_loggers, check_model, check_resume, has_checkpoint, train
+from kiln.train.heartbeat import EVERY_S, HEARTBEAT_DIR_ENV, beat, read_beats, silent_ranks
+from kiln.train.run_dir import (
     CONFIG,
     RunDir,
     RunDirBusy,
@@ -54,8 +51,6 @@ from kiln.train._run_dir import (
     stop_signals,
     stopped_by,
 )
-from kiln.train._setup import check_resume
-from kiln.train.loop import train
 
 __all__ = ["EXIT_USAGE", "RUN_DIR_ENV", "exit_status", "train_command"]
 
@@ -81,7 +76,7 @@ def train_command(config: str | None, overrides: list[str], *, resume: str | Pat
             raise ConfigError("parallel.auto=true is chosen once, by kiln train --nproc N before any process "
                               "starts (not by each rank under torchrun, nor on --resume): run kiln tune CONFIG "
                               "--nproc N --memory-budget SIZE and pass its overrides, or set parallel.auto=false")
-        from kiln._search import auto_overrides
+        from kiln.plan.search import auto_overrides
 
         # the layout, ZeRO, micro-batch and checkpointing, chosen here: the ranks, config.yaml and a
         # rerun from it get the chosen values and parallel.auto=false
@@ -206,10 +201,10 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
 # imports on first use (kiln's models and data sets, the FLOP counter, the profiler that
 # measures tensor memory on CPU). A rank forked from it starts in a fraction of a second; a new
 # interpreter spent ~5 s of CPU importing these, for every rank of every launch and restart.
-# kiln._gc_freeze comes last: it freezes what the others imported (see there).
-WORKER_PRELOAD = ["kiln.train.launch", "kiln.parallel._checkpoint", "torch.distributed.checkpoint._fsspec_filesystem",
+# kiln.launch._gc_freeze comes last: it freezes what the others imported (see there).
+WORKER_PRELOAD = ["kiln.launch", "kiln.parallel._checkpoint", "torch.distributed.checkpoint._fsspec_filesystem",
                   "matplotlib.figure", "matplotlib.backends.backend_agg", "kiln.models", "kiln.data",
-                  "torch.utils.flop_counter", "torch.profiler", "kiln._gc_freeze"]
+                  "torch.utils.flop_counter", "torch.profiler", "kiln.launch._gc_freeze"]
 
 
 def _torchrun(nproc: int, max_restarts: int, rank: tuple[str | None, list[str], str | None],
@@ -314,7 +309,7 @@ def _failures(failures: dict[int, Any], beats: dict[int, dict[str, Any]], silent
     torchrun's agent reports the first rank whose process ended, often one that noticed: a rank
     killed outright (kill -9, the OOM killer) breaks its peers' connections, a rank that stopped
     answering makes their collectives time out. So, besides a rank a signal killed, the ranks to
-    name come from their heartbeats (kiln/train/_heartbeat.py), set against the time the first
+    name come from their heartbeats (kiln/train/heartbeat.py), set against the time the first
     rank recorded its error: a rank silent for more than ``silent_after_s`` seconds then had
     stopped answering; a rank whose beats stopped by then, without the ``ended`` mark of a rank
     that exits on its own, was killed. Only a recorded error is dated when it happened (from the

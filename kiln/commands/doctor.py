@@ -143,7 +143,7 @@ def _auto_precision(device: str) -> dict[str, Any]:
     """``mode``: auto's choice where a rule gives it (``how`` is then ``rule``); where it is
     timed on each run's model (a CPU with native bf16), ``how`` is ``measured`` and ``mode`` the
     fp32 it stands at until then."""
-    from kiln._auto_precision import rule
+    from kiln.precision.auto import rule
     from kiln.precision import resolve
 
     return {"device": device, "mode": resolve("auto", device), "how": "rule" if rule(device) else "measured"}

@@ -4,11 +4,11 @@ With a memory budget (``kiln tune CONFIG --nproc N --memory-budget 8GB``, :func:
 it searches the layout too: ``dp x tp x pp``, the ZeRO stage, the micro-batch, activation
 checkpointing, precision and (``--compile``) compile. Every candidate is planned on fake tensors
 (:func:`kiln.plan.plan`) and dropped when its fullest rank's peak is over the budget, without
-running it; the rest are ranked by a cost model (:mod:`kiln._costmodel`: the plan's FLOPs,
+running it; the rest are ranked by a cost model (:mod:`kiln.plan._costmodel`: the plan's FLOPs,
 operators and collective bytes against this machine's measured matmul, operator and collective
 speeds), and the ``trials`` best predicted are trained for a few steps each (``kiln train --nproc
 N`` in a temporary directory), their speed and peak tensor memory measured. The pick is the
-fastest trial whose measured peak is within the budget. :mod:`kiln._search` says how the
+fastest trial whose measured peak is within the budget. :mod:`kiln.plan.search` says how the
 candidates are planned (not all of them: best first, until the fastest that fit are known).
 
 Without a budget, each candidate is a set of overrides on top of the config (precision, the arena, loader
@@ -85,7 +85,7 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
     import json
     import os
 
-    from kiln.train.launch import RUN_DIR_ENV, exit_status, train_command
+    from kiln.launch import RUN_DIR_ENV, exit_status, train_command
 
     out = Path(tempfile.mkdtemp(prefix="trial-", dir=scratch))
     args = [*overrides, f"train.max_steps={steps}", "train.log_every=2", "train.eval_every=0",
@@ -118,11 +118,11 @@ def tune_within(config: str | Path, overrides: Iterable[str] = (), *, nproc: int
                 trials: int = 3, steps: int = 12, compile: bool = False, exhaustive: bool = False,
                 say: Any = lambda line: None) -> Any:
     """The fastest configuration of ``config`` over ``nproc`` processes whose peak tensor memory
-    fits ``budget`` bytes a process (see the module). Returns a :class:`kiln._search.Search`
-    whose ``pick`` is the chosen candidate; raises :class:`kiln._search.NoFit` when nothing fits."""
+    fits ``budget`` bytes a process (see the module). Returns a :class:`kiln.plan.search.Search`
+    whose ``pick`` is the chosen candidate; raises :class:`kiln.plan.search.NoFit` when nothing fits."""
     import time
 
-    from kiln._search import AXES, NoFit, search
+    from kiln.plan.search import AXES, NoFit, search
     from kiln.config import load_config
     from kiln.config import parse_overrides
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kiln import _cache
-from kiln._flops import matmul_flops
+from kiln.hardware.flops import matmul_flops
 
 __all__ = ["Speeds", "measure_speeds", "predict_seconds", "threads_per_process"]
 
@@ -134,7 +134,7 @@ def _fastest_of(fn: Any, n: int) -> float:
 
 def _matmul(dtype: torch.dtype, n: int = 256) -> float:
     """A small model's matmul speed: the fastest of 0.3 s of ``n`` x ``n`` matmuls (the MFU's
-    peak, :func:`kiln._flops.cpu_peak`, times the same matmul at 1024)."""
+    peak, :func:`kiln.hardware.flops.cpu_peak`, times the same matmul at 1024)."""
     return matmul_flops(dtype, n, repeats=100_000, budget_s=0.3)
 
 
