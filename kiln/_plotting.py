@@ -4,7 +4,7 @@ Figures are made without ``matplotlib.pyplot``, whose backend machinery takes as
 again as matplotlib itself: a :class:`~matplotlib.figure.Figure` saves itself to a file through
 the Agg canvas, no display needed, and nothing global is left to close. A log axis labels its
 ticks in plain text (:func:`log_scale`): matplotlib's default writes them as TeX, whose parser
-took 0.6 s of the first picture in a process and 0.2 s of each after it.
+costs a large part of each picture (docs/lab/facts.md, 'Host time').
 """
 
 from __future__ import annotations

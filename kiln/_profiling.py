@@ -29,8 +29,9 @@ def profiled(**options: Any) -> Iterator[Profiled]:
     ``profile_memory=True``); read its events after it.
 
     This is ``torch.profiler.profile(activities=[CPU])`` without its wrapper, whose start asks
-    ``hasattr(torch, "_inductor")``: that imports torch's compiler and dynamo (1-2 s), in every
-    run that measures its tensor memory; the autograd profiler underneath records the same."""
+    ``hasattr(torch, "_inductor")``: that imports torch's compiler and dynamo, in every run that
+    measures its tensor memory (docs/lab/facts.md, 'What an import costs'); the autograd profiler
+    underneath records the same."""
     from torch.autograd.profiler import profile
 
     prof = profile(use_cpu=True, use_kineto=True, **options)

@@ -2,12 +2,11 @@
 
 ``apply_compile(model)`` compiles the whole model by default (``scope="model"``), or each
 entry of ``model.blocks`` (``scope="blocks"``, torchtitan's choice on GPU: one compile is
-reused by every identical block, so compile time does not grow with depth). On this CPU
-(2 cores, torch 2.13, inductor with gcc), for the digits ViT (depth 4, dim 64, batch 64,
-AdamW) measured with ``python -m kiln.compile`` in one run: eager 22.4 ms/step, whole model
-19.9 ms/step, per block 25.4 ms/step (per-block graph breaks cost more than they save at this
-size), so ``"model"`` is the default. A cold per-block compile is faster (one block graph,
-reused), so prefer ``"blocks"`` for deep models where compile time matters.
+reused by every identical block, so compile time does not grow with depth). On a small model
+on a CPU per-block graph breaks cost more than they save, as ``python -m kiln.compile`` measures
+(docs/lab/facts.md, 'Compiling the whole model or each block'), so ``"model"`` is the default.
+A cold per-block compile is faster (one block graph, reused), so prefer ``"blocks"`` for deep
+models where compile time matters.
 
 Compilation happens lazily at the first call, so the first training step's time is mostly
 compile time. :func:`timed_first_call` runs a function once and returns its seconds, so a

@@ -63,7 +63,7 @@ if "KILN_CACHE_DIR" not in os.environ:
 # kiln train --nproc N, torchrun) or `e2e` (a long end-to-end run in one process: whole trainings,
 # kill -9 and signals, benchmarks' quick runs). Either makes it `slow`, which only means "not in
 # the fast tier": pytest -m "not slow" is the fast tier, -m distributed or -m e2e one half of the
-# rest. (pyproject.toml registers the markers; the README's test section names the tiers.)
+# rest. (pyproject.toml registers the markers; CONTRIBUTING.md names the tiers.)
 SLOW_KINDS = ("distributed", "e2e")
 
 

@@ -188,7 +188,7 @@ def test_a_resumed_auto_run_keeps_its_mode(monkeypatch, tmp_path):
 @pytest.mark.skipif(not RAW_NATIVE, reason="needs a CPU with native bf16 (AVX-512-BF16 or AMX)")
 def test_auto_picks_bf16_for_the_encoder_layer_where_bf16_is_native(one_thread):
     """kiln bench encoder-layer's layer (hidden 128, FFN 512, 16 heads, batch 50 x 80): bf16
-    autocast cut its backward from 58 to 39 ms on an AVX-512-BF16 CPU (docs/facts.md)."""
+    autocast cut its backward from 58 to 39 ms on an AVX-512-BF16 CPU (docs/lab/facts.md)."""
     from kiln.models.encoder import EncoderLayer, EncoderLayerConfig
 
     layer = EncoderLayer(EncoderLayerConfig(fast_dropout=True))

@@ -1,6 +1,6 @@
 """``kiln bench gpu``: each benchmark in a process of its own, its lines printed as they come; one
 that fails, hangs or is refused costs its own row and nothing else; the budget is kept; the report
-goes into docs/gpu.md from a GPU only. The whole script runs here with ``--device cpu``."""
+goes into docs/lab/gpu.md from a GPU only. The whole script runs here with ``--device cpu``."""
 
 from __future__ import annotations
 

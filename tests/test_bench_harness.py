@@ -1,5 +1,5 @@
 """kiln/bench/_harness.py: the one harness of every benchmark. A made-up benchmark goes through
-it (the files, the printed report, the machine, docs/benchmarks.md); tables align and group;
+it (the files, the printed report, the machine, docs/lab/benchmarks.md); tables align and group;
 the timing helpers take turns and pair rounds; ``kiln bench hf`` without accelerate is refused
 in one line before any work."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -30,8 +31,15 @@ def _measure(quick: bool = False, *, scale: float = 1.0) -> h.Result:
 run = h.benchmark("made-up", _measure)
 
 
+def _measure_slowly(quick: bool = False, *, scale: float = 1.0) -> h.Result:
+    time.sleep(0.2)
+    return _measure(quick, scale=scale)
+
+
 def test_a_benchmark_prints_and_writes_its_report(tmp_path, capsys):
-    report = run(tmp_path, quick=True, scale=1.0)
+    started = time.perf_counter()
+    report = h.benchmark("made-up", _measure_slowly)(tmp_path, quick=True, scale=1.0)
+    elapsed = time.perf_counter() - started
     printed = capsys.readouterr().out
     assert json.loads((tmp_path / "made-up.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "made-up.txt").read_text() == printed
@@ -42,7 +50,8 @@ def test_a_benchmark_prints_and_writes_its_report(tmp_path, capsys):
     assert report["rows"][0]["ms"] == 2.0 and report["quick"] is True and report["benchmark"] == "made-up"
     assert report["targets"]["kiln at most 1.5 ms"]["met"] is True
     assert "target kiln at most 1.5 ms: 1 (at most 1.5): met" in printed and "note: a note" in printed
-    assert set(report["load_average"]) == {"before", "after"} and report["seconds"] >= 0
+    assert set(report["load_average"]) == {"before", "after"}
+    assert 0.2 <= report["seconds"] <= elapsed  # the measurement's own time, not the writing's or nothing
 
 
 def test_table_aligns_numbers_right_words_left_and_prints_a_group_once():
@@ -69,7 +78,7 @@ def test_docs_keep_one_section_a_benchmark_and_the_latest_run(tmp_path):
 
 
 def test_a_section_of_a_written_page_is_replaced_in_place_and_the_page_kept(tmp_path):
-    """docs/gpu.md is prose with kiln bench gpu's section in it: a run replaces the section where it
+    """docs/lab/gpu.md is prose with kiln bench gpu's section in it: a run replaces the section where it
     stands and leaves every other line of the page as it was."""
     page = tmp_path / "gpu.md"
     head, tail = "# kiln on GPUs\n\nprose before\n\n", "\n## Runs\n\nprose after\n"

@@ -76,7 +76,13 @@ def test_state_bytes_follow_the_layout(report, model):
     for r in rows.values():
         # the peak RSS above the run's start holds at least the state (every byte of it written)
         assert r["peak_rss_bytes"] >= 0.9 * r["state_bytes"], (r["layout"], r["peak_rss_bytes"], r["state_bytes"])
-        assert r["samples_per_s"] > 0 and r["work_rss_bytes"] >= 0
+        # the timed steps' growth of the resident set: something (activations, the step's
+        # temporaries) and never more than the whole run's peak above its start
+        assert 0 < r["work_rss_bytes"] <= r["peak_rss_bytes"], (r["layout"], r["work_rss_bytes"], r["peak_rss_bytes"])
+        # the speed is the global batch over rank 0's timed wall time, and the step time its inverse
+        assert r["samples_per_s"] == pytest.approx(r["global_batch"] * r["steps"] / r["per_rank"][0]["wall_s"])
+        assert r["samples_per_s"] * r["step_ms"] / 1e3 == pytest.approx(r["global_batch"])
+        assert all(0 < x["wall_s"] <= x["phase_s"]["timed"] for x in r["per_rank"])
 
 
 @pytest.mark.parametrize("model", ["gpt", "bert", "llama"])

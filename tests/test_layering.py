@@ -152,3 +152,46 @@ def test_lower_layers_do_not_import_the_trainer_or_the_parallel_layer(package):
     wrong = [(name, m) for name, imports in IMPORTS.items() if _inside(name, package)
              for m, _, _ in imports if any(_inside(m, a) for a in above)]
     assert not wrong, wrong
+
+
+def _unit(module: str) -> str | None:
+    """The declared package or top-level module ``module`` belongs to (kiln._layers.LAYERS)."""
+    from kiln._layers import LAYERS
+
+    units = [u for layer in LAYERS for u in layer]
+    return max((u for u in units if module == u or module.startswith(u + ".")), key=len, default=None)
+
+
+def test_every_module_belongs_to_a_declared_layer():
+    outside = {"kiln", "kiln.__main__"}  # the lazy facade and the entry point
+    assert [m for m in MODULES if m not in outside and _unit(m) is None] == []
+
+
+def test_no_import_runs_up_the_declared_order_and_no_package_cycle():
+    from kiln._layers import LAYERS
+
+    floor = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    upward: list[str] = []
+    edges: dict[str, set[str]] = {u: set() for u in floor}
+    for name, imports in IMPORTS.items():
+        a = _unit(name)
+        if a is None:
+            continue
+        for target, _, line in imports:
+            b = _unit(target)
+            if b is None or a == b:
+                continue
+            edges[a].add(b)
+            if floor[b] > floor[a]:
+                upward.append(f"{MODULES[name].relative_to(ROOT.parent)}:{line} ({a}, layer {floor[a]}) imports {b} "
+                              f"(layer {floor[b]})")
+    assert upward == []
+    assert _cycles(edges) == []
+
+
+def test_the_layering_checks_see_an_upward_import_and_a_package_cycle():
+    from kiln._layers import LAYERS
+
+    floor = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    assert floor["kiln.optim"] < floor["kiln.train"] < floor["kiln.launch"] < floor["kiln.commands"]
+    assert _cycles({"kiln.models": {"kiln.data"}, "kiln.data": {"kiln.models"}, "kiln.optim": set()}) != []

@@ -323,7 +323,7 @@ def test_wandb_without_an_api_key_is_refused_before_anything_is_built(tmp_path, 
 
 def test_wandb_finds_a_key_where_wandb_does(tmp_path, monkeypatch, no_wandb_key):
     pytest.importorskip("wandb")
-    assert _loggers.WandbLogger.check() is not None
+    assert _loggers.WandbLogger.check().startswith("no W&B API key is configured here")
     for var, value in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)):
         with monkeypatch.context() as m:
             m.setenv(var, value)
@@ -332,7 +332,7 @@ def test_wandb_finds_a_key_where_wandb_does(tmp_path, monkeypatch, no_wandb_key)
     (tmp_path / "wandb-config" / "settings").write_text("[default]\nmode = offline\n")  # `wandb offline`
     assert _loggers.WandbLogger.check() is None
     (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
-    assert _loggers.WandbLogger.check() is not None
+    assert _loggers.WandbLogger.check().startswith("no W&B API key")  # the netrc names no entry for that host yet
     (tmp_path / "netrc").write_text("machine wandb.example.org login user password KEY\n")  # `wandb login`
     assert _loggers.WandbLogger.check() is None
 

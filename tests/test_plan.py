@@ -15,6 +15,7 @@ import pytest
 
 from kiln.bench.plan import compare, row
 from kiln.commands import main
+from kiln.models import create_model
 from kiln.plan import CATEGORIES, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,10 +69,15 @@ def test_plan_json_has_every_rank_and_the_names_outside_checks_use(tmp_path, cap
     text = capsys.readouterr().out
     plan = json.loads(out.read_text())
     assert [r["rank"] for r in plan["ranks"]] == [0, 1, 2, 3]
+    n_params = sum(p.numel() for p in create_model("gpt", vocab_size=256, seq_len=64, dim=64, depth=1,
+                                                   heads=4).parameters())
     for r in plan["ranks"]:
         assert r["peak_bytes"] == sum(r[c] for c in CATEGORIES) > 0
-        assert r["parameters"] > 0 and r["activations"] > 0
-    assert plan["fullest_rank"] in range(4) and plan["flops_per_step"] > 0
+        # ZeRO-1 keeps every parameter and gradient on every rank: the fp32 arena, whole
+        assert r["parameters"] == r["gradients"] == 4 * n_params and r["activations"] > 0
+    # data parallel splits the step's FLOPs evenly, and the step's are the ranks' sum
+    assert plan["fullest_rank"] in range(4) and plan["flops_per_step"] == sum(r["flops"] for r in plan["ranks"])
+    assert [r["flops"] for r in plan["ranks"]] == [plan["flops_per_step"] / 4] * 4
     # ZeRO-1: the fullest rank keeps a quarter of AdamW's two moments between steps
     kept = plan["ranks"][0]["between_steps"]
     assert kept["optimizer_state"] == pytest.approx(kept["parameters"] / 2, rel=0.05)
@@ -136,7 +142,7 @@ def test_a_plan_over_budget_is_one_line_naming_the_peak_and_the_way_out(capsys):
 
 def test_a_cuda_plan_reserves_cublas_workspaces_beside_the_step(monkeypatch):
     # on a GPU the allocator also holds cuBLAS's workspaces (one for the loop's thread, one for
-    # autograd's backward thread, and cuBLASLt's): 2 x 32 MiB + 1 MiB on an H100 (docs/gpu.md);
+    # autograd's backward thread, and cuBLASLt's): 2 x 32 MiB + 1 MiB on an H100 (docs/lab/gpu.md);
     # a plan's peak that fits the budget only without them does not fit
     from dataclasses import replace
 

@@ -426,7 +426,8 @@ def test_with_compile_the_compiling_step_is_not_counted_as_speed(tmp_path):
     assert rows[0]["samples_per_second"] in ("", None)  # step 1 is the compile: no speed to report
     speeds = [float(r["samples_per_second"]) for r in rows[1:]]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["compile_seconds"] > 0
+    # the compile is the first step's time, longer than any compiled step's (each took 16 / speed s)
+    assert summary["compile_seconds"] == summary["first_step_seconds"] > 16 / min(speeds)
     # the summary's speed is the timed steps' (5 of 16 samples each), near the logged ones
     assert min(speeds) / 3 < summary["samples_per_second"] < max(speeds) * 3
 

@@ -8,7 +8,7 @@ columns to show them in and its JSON (:class:`kiln.bench._harness.Result`); the 
 that its ``run(out_dir, quick=False)``, which prints the table with the machine line and
 writes ``out_dir/<name>.json``, ``.txt`` and ``.png``. ``quick=True`` shrinks the work to a
 smoke run (used by tests); a full run through :func:`run_benchmark` (``kiln bench NAME``) also
-replaces the benchmark's section of ``docs/benchmarks.md``.
+replaces the benchmark's section of ``docs/lab/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "kiln train vs the plain loop, microseconds"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
     "gpu": ("kiln.bench.gpu", "what to run when a GPU is lent: lm, vit, encoder-layer --hidden 1024, hf, optimizer and plan "
-            "in their quick forms on one GPU, in at most 8 minutes, into docs/gpu.md (--device cpu: a test of it)"),
+            "in their quick forms on one GPU, in at most 8 minutes, into docs/lab/gpu.md "
+            "(--device cpu: a test of it)"),
 }
 
 # what a benchmark needs beyond kiln's own dependencies, and the extra that installs it
@@ -49,7 +50,7 @@ ON_DEVICE: dict[str, int] = {"optimizer": 1, "overhead": 1, "lm": 1, "encoder-la
                              "vit": 1, "gpu": 1}
 # the device of those whose --device does not default to cpu
 DEFAULT_DEVICE: dict[str, str] = {"gpu": "cuda"}
-# the page a full run writes its section of, where not docs/benchmarks.md
+# the page a full run writes its section of, where not docs/lab/benchmarks.md (a page beside it)
 DOCS_PAGE: dict[str, str] = {"gpu": "gpu.md"}
 
 
@@ -147,15 +148,15 @@ def run_benchmark(name: str, out_dir: str | Path | None = None, quick: bool = Fa
                   nproc: int | None = None) -> dict[str, Any]:
     """Run benchmark ``name`` into ``out_dir`` (default ``bench_results/NAME``); a bad name or
     option, or a missing package, is refused (:func:`check_benchmark`) before the folder is made.
-    A full run (not ``quick``) also writes its section of ``docs/benchmarks.md`` (a section of
+    A full run (not ``quick``) also writes its section of ``docs/lab/benchmarks.md`` (a section of
     its own per device: ``kiln bench NAME --device cuda``; ``kiln bench gpu``'s is in
-    ``docs/gpu.md``, and only a run on a GPU writes it)."""
+    ``docs/lab/gpu.md``, and only a run on a GPU writes it)."""
     from kiln.bench._harness import DOCS
 
     options = check_benchmark(name, family, device, hidden, nproc)
     out = Path(out_dir) if out_dir is not None else Path("bench_results") / name
     page = DOCS.with_name(DOCS_PAGE.get(name, DOCS.name))
-    # (no docs/ beside an installed kiln; kiln bench gpu on a CPU is a test of its script, and docs/gpu.md
+    # (no docs/ beside an installed kiln; kiln bench gpu on a CPU is a test of its script, and docs/lab/gpu.md
     # holds what GPUs measured)
     gpu_test = name == "gpu" and options.get("device") == "cpu"
     docs = page if not quick and page.parent.is_dir() and not gpu_test else None

@@ -14,14 +14,14 @@ which owns everything else, written once here:
   and the notes; the same text in ``NAME.txt``, the JSON in ``NAME.json``, the chart in
   ``NAME.png``;
 - with ``docs=PATH`` (a full run of ``kiln bench NAME``): the report as the benchmark's own
-  section of ``docs/benchmarks.md`` (``kiln bench gpu``'s: of ``docs/gpu.md``), replacing the one
+  section of ``docs/lab/benchmarks.md`` (``kiln bench gpu``'s: of ``docs/lab/gpu.md``), replacing the one
   an earlier run wrote and keeping the rest of the page.
 
 Timing helpers for the benchmarks: :func:`time_ms` (median of repeats), :func:`interleaved`
 (the methods take turns, so that drifting load hits all alike; each call timed to the end of
 its GPU work, :func:`sync`), :func:`paired` (medians of ratios taken within one round),
 :func:`children_cpu_s`. A benchmark that takes ``device`` (``kiln bench NAME --device cuda``)
-gets a section of its own in ``docs/benchmarks.md``.
+gets a section of its own in ``docs/lab/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 
 from kiln.hardware import machine_info, machine_line
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "lab" / "benchmarks.md"
 Key = str | Callable[[dict[str, Any]], Any]  # a row's field, or a function of the row
 
 
@@ -306,7 +306,7 @@ docstring of its module, `kiln/bench/NAME.py` (with `_` for `-`).
 def _write_docs(path: Path, name: str, text: str, when: str) -> None:
     """Write the report as the section ``kiln bench NAME`` of ``path``: in place of the one an
     earlier run wrote, else after the rest of the page; what lies outside the sections (a page's
-    own prose, docs/gpu.md's) is kept as it is."""
+    own prose, docs/lab/gpu.md's) is kept as it is."""
     marks = f"<!-- kiln bench {name} -->\n", f"<!-- /kiln bench {name} -->\n"
     section = f"{marks[0]}## kiln bench {name}\n\n{when}\n\n```text\n{text}\n```\n{marks[1]}"
     old = path.read_text() if path.exists() else _DOCS_HEAD

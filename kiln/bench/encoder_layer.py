@@ -24,7 +24,7 @@ Every variant starts from the same weights and sees the same input. The steps of
 variants are interleaved in rounds, so a slow patch on a shared machine hits them all
 alike; compare the ratios, not absolute times.
 
-Why ``c`` is faster: docs/facts.md records that per-element CPU random-number generation for
+Why ``c`` is faster: docs/lab/facts.md records that per-element CPU random-number generation for
 dropout is most of the forward. ``fast_dropout`` cuts the draws fourfold while remaining
 dropout with p = 0.1 (to within 2**-17; see :func:`kiln.models.encoder.fast_dropout`); bf16
 halves the bytes that the matmuls and elementwise kernels move; compile fuses softmax,
@@ -36,7 +36,7 @@ the GPU computes it natively, from Ampere on; each phase timed to the end of its
 ``--hidden N`` sets the layer's width, the FFN at 4N and the heads at 16 as before:
 ``--hidden 1024`` is the Transformer-big layer (hidden 1024, FFN 4096, 16 heads) that seed 000's
 comparison reports on a GPU. The article's layer (hidden 128) is launch-bound on a GPU (every
-variant 2.5-3.6 ms a step on an H200, docs/gpu.md); at 1024 the matrix products are the step.
+variant 2.5-3.6 ms a step on an H200, docs/lab/gpu.md); at 1024 the matrix products are the step.
 The batch stays the article's 50 x 80 tokens.
 
 ``--quick`` is a smoke run: no warm-up steps, two timed steps, and ``c`` and ``c-fp32`` not

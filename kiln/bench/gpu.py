@@ -13,7 +13,7 @@ another, the quick forms (``--quick``) of
 
 on the device (``--device cuda``, the default here), within :data:`BUDGET_S` (8 minutes on a
 GPU), and writes its report, with every benchmark's own tables, as the section ``kiln bench gpu
---device cuda`` of docs/gpu.md (a later run replaces it; the page's prose stays).
+--device cuda`` of docs/lab/gpu.md (a later run replaces it; the page's prose stays).
 
 Each benchmark runs as ``python -m kiln bench NAME --quick --device D ... --out OUT/NAME`` in a
 process of its own, in a session of its own: an error, a CUDA fault that leaves a process's
@@ -27,7 +27,7 @@ under a line that names it and the time spent so far: a lease is short and someo
 
 ``--device cpu`` runs the same script at the CPU's quick sizes (the digits ViT in one process,
 an encoder layer of hidden 64): a test of the script on a machine without a GPU (2.5-4 minutes
-on 2 shared cores), whose report goes to ``OUT/gpu.txt`` and never into docs/gpu.md.
+on 2 shared cores), whose report goes to ``OUT/gpu.txt`` and never into docs/lab/gpu.md.
 ``--quick`` runs the same benchmarks and leaves the docs alone.
 
     kiln bench gpu                      # on a GPU machine, first

@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, children_cpu_s
+from kiln.launch import exit_status, train_command
 
 __all__ = ["PipelineCNN", "augmented_digits", "make_model", "ROWS", "row_commands", "run", "measure"]
 
@@ -192,14 +193,16 @@ def _command(argv: list[str]) -> tuple[int, str]:
 
 
 def _in_this_process(argv: list[str]) -> tuple[int, str]:
-    """``kiln ARGV`` through :func:`kiln.commands.main` in this process (quick runs): no interpreter to
-    start and no imports to repeat; ``--nproc 2`` forks its ranks from this process's fork server.
-    Its output goes where this process's goes."""
-    from kiln.commands import main
-
+    """``kiln ARGV`` (``train CONFIG [--nproc N] key=value ...``) in this process, as the command
+    runs it (:func:`kiln.launch.train_command` under :func:`kiln.launch.exit_status`), for quick
+    runs: no interpreter to start and no imports to repeat; ``--nproc 2`` forks its ranks from
+    this process's fork server. Its output goes where this process's goes."""
+    _, config, *rest = argv
+    nproc = int(rest[rest.index("--nproc") + 1]) if "--nproc" in rest else 1
+    overrides = [a for a in rest if "=" in a]
     saved = {k: os.environ.pop(k) for k in _NOT_INHERITED if k in os.environ}
     try:
-        return main(argv), "(its output is above)"
+        return exit_status(lambda: train_command(config, overrides, nproc=nproc)), "(its output is above)"
     finally:
         os.environ.update(saved)
 

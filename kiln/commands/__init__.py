@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "in the same process, print a table of ratios, and write JSON and a PNG chart.\n\n"
         "example:\n  kiln bench optimizer\n  kiln bench optimizer --quick --out /tmp/bench\n"
         "  kiln bench encoder-layer --device cuda --hidden 1024\n"
-        "  kiln bench gpu                   # on a GPU machine: what to run first (docs/gpu.md)",
+        "  kiln bench gpu                   # on a GPU machine: what to run first (docs/lab/gpu.md)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("name", metavar="NAME", nargs="?", help="benchmark name (see --list)")
@@ -261,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from kiln import __version__
+    from kiln._version import __version__
 
     return __version__
 

@@ -17,7 +17,7 @@ report names the problem and the fix, and ``kiln doctor`` exits 1. What only mak
 feature unavailable (compile, the native kernels) is a warning. The import problems are
 diagnosed by ``kiln._environment.import_diagnosis``, the same line ``kiln train`` prints.
 
-    >>> report = collect(compile=False)          # compile=False: skip the 2-20 s compile check
+    >>> report = collect(compile=False)          # compile=False: skip the compile check (seconds)
     >>> sorted(report)[:3], report["torch"]["version"] == __import__("torch").__version__
     (['auto_precision', 'compile', 'cpu'], True)
 """

@@ -78,8 +78,9 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
     This process is the trial's launcher (even of one process: a trial's peak is its own, and a
     trial that crashes takes only its ranks with it); the ranks are forked from the fork server
     that every trial shares, which imported torch and the trainer once, rather than each trial
-    starting two new interpreters (its launcher and that launcher's fork server), ~8 s of CPU
-    before it trained. Their output goes to files under the trial's directory."""
+    starting two new interpreters (its launcher and that launcher's fork server), seconds of CPU
+    before it trained (docs/lab/facts.md, 'What an import costs'). Their output goes to files
+    under the trial's directory."""
     import contextlib
     import io
     import json

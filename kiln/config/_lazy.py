@@ -193,7 +193,7 @@ def _getattr_or_raise(module: Any, qualname: str, where: str) -> Any:
 
 
 # the module imported from each file (by real path): a config names its file's functions several
-# times a run, and a scan of sys.modules (thousands) took ~10 ms each time
+# times a run, and a scan of sys.modules (thousands) each time is slow (docs/lab/facts.md, 'Host time')
 _FILE_MODULES: dict[str, Any] = {}
 
 

@@ -52,11 +52,11 @@ class OptimConfig:
     name: str = "adamw"  # optimizer: a key of kiln.optim.OPTIMIZERS (adamw, adam, sgd, lamb, lars)
     lr: float = 1e-3  # peak learning rate
     weight_decay: Optional[float] = None  # None: the optimizer's own default (AdamW 0.01, others 0)
+    # betas, eps, momentum, nesterov: each optimizer class declares which it takes (config_options)
     betas: Optional[tuple[float, float]] = None  # Adam-family betas; None: optimizer default
     eps: Optional[float] = None  # None: optimizer default (1e-8 Adam/AdamW, 1e-6 LAMB)
     momentum: Optional[float] = None  # SGD/LARS momentum; None: default (SGD 0, LARS 0.9)
     nesterov: bool = False  # Nesterov momentum for SGD/LARS
-    # (each optimizer class declares which of betas..nesterov it takes: config_options)
     contiguous: bool = True  # kiln's arena: all parameters and grads in one flat buffer
     # kiln: kiln's optimizer (arena, or multi-tensor where the layout has no arena); torch-forloop,
     # torch-foreach, torch-fused: torch.optim's class of the same name (adamw, adam, sgd) with that
@@ -144,6 +144,7 @@ class TrainConfig:
 class ParallelConfig:
     # The world is a dp x tp x pp grid of processes (kiln.parallel.Layout); dp * tp * pp must
     # equal the number of processes started.
+
     # true: kiln train --nproc N chooses dp x tp x pp, zero, train.accumulate and
     # train.activation_checkpointing before any process starts: the fastest by kiln's cost model
     # whose planned peak fits train.memory_budget (kiln/plan/search.py); the run's config.yaml holds

@@ -149,8 +149,8 @@ _DIGITS_VAL = 297  # 1797 images -> 1500 train / 297 val
 
 def _digits_arrays() -> tuple[Any, Any]:
     """``(images (1797, 8, 8), target (1797,))`` as ``sklearn.datasets.load_digits`` gives
-    them, read from the file scikit-learn ships, without importing scikit-learn (2 s of every
-    process that trains on digits: it imports scipy)."""
+    them, read from the file scikit-learn ships, without importing scikit-learn (it imports
+    scipy: seconds of every process that trains on digits; docs/lab/facts.md, 'What an import costs')."""
     import gzip
     import importlib.util
 

@@ -75,8 +75,8 @@ def _windows(seed: int, count: int, length: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=16)
 def _text_bytes(seed: int, needed: int) -> bytes:
     """The first ``needed`` bytes of the text drawn from ``seed``, drawn once a process for each
-    argument (0.3 s of Python for a default text_lm set's 4,096 windows: a process that trains
-    again, as kiln tune's trials and a test's runs do, draws them once). Kept as bytes, not a
+    argument (drawing it is slow Python: docs/lab/facts.md, 'Host time'), so that a process that
+    trains again, as kiln tune's trials and a test's runs do, draws it once. Kept as bytes, not a
     tensor: a run's tensor memory (summary.json, kiln plan's check against the allocator) holds
     nothing of the cache."""
     # A sentence is about 30 bytes; draw enough text in one go, then cut it to length.

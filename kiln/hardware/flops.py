@@ -3,7 +3,8 @@
 - :class:`CountFlops` counts the FLOPs of the operators run inside it (matmuls, convolutions,
   attention: ``torch.utils.flop_counter``'s formulas, plus CPU's fused attention kernels, which
   its registry leaves out). It is a bare ``TorchDispatchMode``: ``FlopCounterMode`` itself
-  tracks modules with global hooks whose first call imports ``torch._dynamo`` (1-10 s).
+  tracks modules with global hooks whose first call imports ``torch._dynamo``
+  (docs/lab/facts.md, 'What an import costs').
   It also counts under ``FakeTensorMode`` (``kiln plan``'s trace): only shapes are read.
 - :func:`peak_flops` is the device's peak in a dtype: on a GPU the datasheet's dense figure
   (a table by name); on a CPU a matmul measured once per (CPU, threads, dtype, torch) and
@@ -142,9 +143,9 @@ def matmul_flops(dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> f
 def matmul_size(dtype: torch.dtype) -> int:
     """The side of the CPU peak's square matmul in ``dtype``: ``MATMUL_N``, or a quarter of it
     where one product that size would take over ``SIZE_BUDGET_S``, as timed on the quarter. The
-    time decides, not a capability flag: a dtype emulated here (bf16 without AVX-512-BF16:
-    13-50x fp32) measured at 1024 cost 4.6 s a run start, also where ``KILN_BF16=native`` claims
-    otherwise."""
+    time decides, not a capability flag: a dtype emulated here (bf16 without AVX-512-BF16)
+    measured at 1024 costs seconds at a run's start, also where ``KILN_BF16=native`` claims
+    otherwise (docs/lab/facts.md, 'bf16 on a CPU: where it pays')."""
     small = MATMUL_N // 4
     # the best of up to 3 within 20 ms: one product preempted on a busy machine (a test suite's
     # three processes on two cores) read fp32 as slow; a slow dtype's first product ends it

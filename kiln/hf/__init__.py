@@ -111,7 +111,8 @@ class _NoInitOnMeta(TorchDispatchMode):
     """In-place operators on ``meta`` tensors return them untouched: a meta tensor has no values
     for an initialisation (``normal_``, ``uniform_``, ``mul_``, ...) to write. Run, they would
     cost more than nothing: the meta kernels of torch's random operators are Python references
-    wrapped in ``torch._disable_dynamo``, whose first call imports torch's compiler (1-2 s).
+    wrapped in ``torch._disable_dynamo``, whose first call imports torch's compiler
+    (docs/lab/facts.md, 'What an import costs').
     Operators that change a tensor's shape or strides in place run as they are."""
 
     @classmethod

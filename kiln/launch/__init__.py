@@ -200,7 +200,8 @@ def _launch(rank: tuple[str | None, list[str], str | None], nproc: int, max_rest
 # module), matplotlib's figure and Agg canvas (rank 0 draws loss.png), and what every run
 # imports on first use (kiln's models and data sets, the FLOP counter, the profiler that
 # measures tensor memory on CPU). A rank forked from it starts in a fraction of a second; a new
-# interpreter spent ~5 s of CPU importing these, for every rank of every launch and restart.
+# interpreter spent seconds of CPU importing these, for every rank of every launch and restart
+# (docs/lab/facts.md, 'What an import costs').
 # kiln.launch._gc_freeze comes last: it freezes what the others imported (see there).
 WORKER_PRELOAD = ["kiln.launch", "kiln.parallel._checkpoint", "torch.distributed.checkpoint._fsspec_filesystem",
                   "matplotlib.figure", "matplotlib.backends.backend_agg", "kiln.models", "kiln.data",

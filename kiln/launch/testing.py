@@ -11,11 +11,12 @@ intra-op thread (N processes share the cores), and its return value comes back t
 file; an exception in any worker is raised here with the worker's traceback.
 
 Workers are new interpreters (``spawn``), each importing torch and kiln before it runs ``fn``:
-2-4 s of CPU a worker. ``start_method="forkserver"`` (or ``KILN_START_METHOD=forkserver``, which
-kiln's test suite sets) forks them instead from one server process per caller that has
-imported torch, torch.distributed and kiln's trainer once: each worker is still a fresh process
-(no state from an earlier call), started in a fraction of a second. The benchmarks keep
-``spawn``: a forked worker shares the server's pages, which would change what they measure.
+seconds of CPU a worker (docs/lab/facts.md, 'What an import costs'). ``start_method="forkserver"``
+(or ``KILN_START_METHOD=forkserver``, which kiln's test suite sets) forks them instead from one
+server process per caller that has imported torch, torch.distributed and kiln's trainer once: each
+worker is still a fresh process (no state from an earlier call), started in a fraction of a
+second. The benchmarks keep ``spawn``: a forked worker shares the server's pages, which would
+change what they measure.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ def random_bits16(numel: int, device: torch.device | str = "cpu") -> torch.Tenso
     """``numel`` uniform random int16 values, drawn from torch's default generator.
 
     One 64-bit draw gives four lanes, so this asks the generator for a quarter as many
-    numbers as ``torch.rand`` would (about 4x faster on CPU, where the generator is serial).
+    numbers as ``torch.rand`` would: on CPU, where the generator is serial, a quarter of the
+    work that dominates dropout (docs/lab/facts.md, 'The contiguous-params article's encoder layer').
     Because the bits come from torch's generator, ``torch.manual_seed`` makes them
     reproducible and activation checkpointing (``preserve_rng_state``) redraws the same ones.
     Kept out of ``torch.compile`` graphs: inductor would otherwise lower ``random_`` to its

@@ -12,8 +12,8 @@ What is fused compared with ``nn.TransformerEncoderLayer``:
   (B, H, T, T) attention matrix;
 - optionally ``fast_dropout=True``: dropout masks from 16 random bits per element instead of
   one float draw per element (see :func:`fast_dropout`). CPU random-number generation, not
-  arithmetic, dominates this layer's forward at dropout 0.1 (docs/facts.md: ``F.dropout`` on the
-  attention probabilities alone is a third of the forward).
+  arithmetic, dominates this layer's forward at dropout 0.1
+  (docs/lab/facts.md, 'The contiguous-params article's encoder layer').
 
 The layer is not in the model registry: the registry holds classifiers (``num_classes``,
 ``(B, num_classes)`` logits), and one layer maps (B, T, C) to (B, T, C). :class:`EncoderStack`
@@ -59,8 +59,8 @@ def random_bits16(numel: int, device: torch.device | str = "cpu") -> torch.Tenso
     >>> random_bits16(6).dtype, random_bits16(6).shape
     (torch.int16, torch.Size([6]))
     """
-    # Imported on first use: marking a function as not compilable imports torch._dynamo (about
-    # 1 s), which `import kiln.models` must not pay.
+    # Imported on first use: marking a function as not compilable imports torch._dynamo, which
+    # `import kiln.models` must not pay (docs/lab/facts.md, 'What an import costs').
     from kiln.models._bits import random_bits16 as draw
 
     return draw(numel, device)

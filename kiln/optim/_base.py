@@ -52,7 +52,8 @@ def torch_method(name: str) -> Callable[..., Any]:
     """``torch.optim.Optimizer``'s method ``name``, for a subclass to call in place of
     ``super()``. torch wraps ``add_param_group``, ``zero_grad``, ``state_dict`` and
     ``load_state_dict`` in ``torch._disable_dynamo``, whose first call imports torch's compiler
-    (``torch._dynamo``: 1-2 s of every process that builds an optimizer and checkpoints). Where
+    (``torch._dynamo``), seconds of every process that builds an optimizer and checkpoints
+    (docs/lab/facts.md, 'What an import costs'). Where
     dynamo is not loaded nothing can be tracing, so the function underneath is called; once it
     is loaded, torch's wrapped method, as ``super()`` would."""
     method = getattr(Optimizer, name)
@@ -209,9 +210,10 @@ class ArenaOptimizer(ArenaAccess, Optimizer):
     # -- the step ----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         # torch.optim wraps every Optimizer subclass's step in profile_hook_step (a
-        # record_function and two hook chains, ~10 us); this step has the attribute that
-        # stops the wrapping and takes torch's wrapped path only when a profiler runs or a
-        # step hook is registered, so hooks and profiles behave exactly as with torch.optim.
+        # record_function and two hook chains, which cost host time every step:
+        # docs/lab/facts.md, 'Host time'); this step has the attribute that stops the wrapping
+        # and takes torch's wrapped path only when a profiler runs or a step hook is registered,
+        # so hooks and profiles behave exactly as with torch.optim.
         if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_optimizer_pre_hooks
                 or _global_optimizer_post_hooks or torch.autograd._profiler_enabled()):
             return _hooked_step(self, closure)

@@ -12,10 +12,11 @@ sums accumulated in registers, the group's ratios, then w moved while the group 
 cache. Memory sees AdamW's 7 passes; u is computed once. The LARS kernels: the row sums of
 w and d = g + wd*w (2 passes, nothing written), then the update (d recomputed).
 
-Built on first use with the C++ toolchain torch.compile uses on CPU (inductor's code cache and
-its vector headers: about 2 s once, then cached on disk by torch), called through inductor's
-Python binding. Where no kernel can be built (no compiler, another torch) the callers fall
-back to the compiled and eager kernels, with one warning.
+Built on first use with the C++ toolchain torch.compile uses on CPU (inductor's code cache and its
+vector headers: seconds, once, then cached on disk by torch;
+docs/lab/facts.md, 'What an import costs'), called through inductor's Python binding. Where no
+kernel can be built (no compiler, another torch) the callers fall back to the compiled and eager
+kernels, with one warning.
 """
 
 from __future__ import annotations

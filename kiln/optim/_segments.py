@@ -28,8 +28,8 @@ MAX_ROW = 1 << 16  # elements per row at most: a row's sum is one vectorized fp3
 # Elements per chunk of a per-tensor-norm update: the direction of a chunk is computed and its
 # block norms taken while the chunk is still in cache (1 << 19 fp32 = 2 MiB per buffer). A GPU
 # has no such cache to keep it in, and pays a launch per kernel per chunk: its chunks are long
-# (1 << 24 fp32 = 64 MiB), so that LARS on 76 M parameters is 5 chunks, not 145 (8.5 ms a
-# step on an H200 with CPU-sized chunks, against 1.4 ms for LAMB).
+# (1 << 24 fp32 = 64 MiB), so that LARS on 76 M parameters is 5 chunks, not 145
+# (docs/lab/facts.md, 'Per-tensor-norm chunks on a GPU').
 CHUNK = 1 << 19
 GPU_CHUNK = 1 << 24
 

@@ -125,8 +125,9 @@ def _state_dict(module: nn.Module) -> dict[str, Any]:
     """``get_model_state_dict(module)``: by FQN, the local shards of FSDP2 and tensor-parallel
     DTensors, a compiled module's names without ``_orig_mod``. A module of plain tensors that
     was not compiled has nothing of that to map, and DCP's mapping imports torch's compiler
-    (``torch._dynamo``, 1-2 s, to ask whether the module is a compiled one): its own
-    ``state_dict()`` is the same dictionary, without that cost, in every run that checkpoints."""
+    (``torch._dynamo``) to ask whether the module is a compiled one, a cost of seconds
+    (docs/lab/facts.md, 'What an import costs'): its own ``state_dict()`` is the same dictionary,
+    without that cost, in every run that checkpoints."""
     compiled = "torch._dynamo" in sys.modules  # (nothing was compiled before dynamo was imported)
     if compiled or any(isinstance(t, DTensor) for t in itertools.chain(module.parameters(), module.buffers())):
         return get_model_state_dict(module)
@@ -347,8 +348,7 @@ def _dcp_call() -> Iterator[None]:
     """Around a ``dcp.save`` or ``dcp.load``: without its warning that one process is "assuming
     the intent is to save in a single process", and with its call logger (which records every
     call, one per tensor written, at DEBUG, to a handler that drops them) above DEBUG: records
-    nobody reads, 2-5% of a small model's save (the tiny GPT's 276 tensors on CPU, 0.153 ->
-    0.145 s, medians of 12 alternating saves)."""
+    nobody reads, a few percent of a small model's save (docs/lab/facts.md, 'Host time')."""
     import logging
 
     from torch.distributed.checkpoint.logger import _dcp_logger

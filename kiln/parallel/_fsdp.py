@@ -42,12 +42,9 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
     import torch._dynamo  # noqa: F401  (see below)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # FSDP2's hooks import torch's compiler at their first call, in the middle of the first
-    # step, when nothing imported it before (kiln train imports it no more): that left the
-    # later steps more live tensor memory than when it was imported up front (kiln bench plan's
-    # gpt zero=3 row: 6.54 MB against 6.35, which kiln plan's trace predicts and the row measures
-    # with the import; why the import's moment matters is not known). Imported here, as it was
-    # before, at no new cost: FSDP2 runs import it anyway.
+    # Imported up front, not by FSDP2's hooks at their first call in the middle of the first step,
+    # which leaves the later steps more live tensor memory than kiln plan predicts
+    # (docs/lab/facts.md, 'FSDP2 and the moment torch's compiler is imported'). FSDP2 imports it anyway.
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("apply_fsdp needs an initialised process group (kiln.parallel.init_distributed)")
     from kiln.models import repeated_blocks

@@ -64,7 +64,7 @@ from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, mo
 __all__ = ["SCHEDULES", "stage_ranges", "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline",
            "Pipeline"]
 
-# config name -> torch.distributed.pipelining class (imported on first use: ~1 s)
+# config name -> torch.distributed.pipelining class, imported on first use (docs/lab/facts.md, 'What an import costs')
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 _MAX_RUNNERS = 4  # distinct (mode, batch shape) pipelines kept built; see Pipeline._runner
 

@@ -52,10 +52,9 @@ class Backend:
     """The collectives a data-parallel group's communication uses, chosen once.
 
     gloo's reduce, reduce-scatter and all-gather cost more than its all-reduce and broadcast
-    (2 processes, 100 MB of fp32 on the 2-core CPU machine: all-reduce 66 ms, reduce to one rank
-    102, reduce-scatter 171; all-gather of 2 x 50 MB 149 ms, two broadcasts of them 32): on gloo
-    a sum into one owner is an all-reduce, and a gather one broadcast per owner. NCCL's reduce
-    and all-gather move half an all-reduce's bytes and are used there.
+    (docs/lab/facts.md, 'gloo's collectives on CPU'): on gloo a sum into one owner is an
+    all-reduce, and a gather one broadcast per owner. NCCL's reduce and all-gather move half an
+    all-reduce's bytes and are used there.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:

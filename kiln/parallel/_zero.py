@@ -75,9 +75,9 @@ def _madvise() -> Callable[..., int] | None:
 def _huge_pages(t: torch.Tensor) -> None:
     """Ask Linux for transparent huge pages over a CPU buffer that is freed and regrown every
     step (stage 2's flat gradient): its first touch then faults 2 MiB at a time instead of
-    4 KiB, and its free unmaps far fewer pages. 100 MB on the 2-core machine (THP in 'madvise'
-    mode): regrow and zero 14 ms instead of 56-72, free 0.5 ms instead of 10. A hint only:
-    without THP, or elsewhere, nothing changes."""
+    4 KiB, and its free unmaps far fewer pages, each several times faster
+    (docs/lab/facts.md, 'Transparent huge pages for ZeRO-2's gradient'). A hint only: without
+    THP, or elsewhere, nothing changes."""
     madvise = _madvise()
     if madvise is None or t.device.type != "cpu":
         return

@@ -482,8 +482,9 @@ def _collecting_only_new_objects() -> Iterator[None]:
     """Inside it, ``gc.collect()`` walks only the objects made inside it: those that existed
     before (the imports and the caller's, up to millions in a test process) are frozen, and
     unfrozen at its end. A trace collects once, after its first step; a full collection of such
-    a heap took 0.2-0.5 s, as long as the rest of a small model's trace. A heap frozen already
-    (a rank forked from kiln's fork server) stays as it is: its collections walk only its own."""
+    a heap took as long as the rest of a small model's trace (docs/lab/facts.md, 'Host time'). A
+    heap frozen already (a rank forked from kiln's fork server) stays as it is: its collections
+    walk only its own."""
     import gc
 
     if gc.get_freeze_count():
@@ -659,10 +660,10 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
 # --------------------------------------------------------------------------- budgets
 
 # what a CUDA process holds outside the caching allocator: its context and the kernels it has
-# loaded. 751 MiB on an H100 (torch 2.11, CUDA 13) after a few products; more load as a run
-# uses more kernels, so 1 GiB is kept back from the GPU's memory
+# loaded (docs/lab/facts.md, 'A CUDA process beside its tensors'); more load as a run uses
+# more kernels, so 1 GiB is kept back from the GPU's memory
 CUDA_CONTEXT = 2**30
-CUBLAS_LT_WORKSPACE = 2**20  # cuBLASLt's own workspace, measured on an H100 (docs/gpu.md)
+CUBLAS_LT_WORKSPACE = 2**20  # cuBLASLt's own workspace (docs/lab/facts.md, 'A CUDA process beside its tensors')
 
 
 def cublas_workspace(capability: tuple[int, int], config: str | None = None) -> int:
@@ -680,7 +681,8 @@ def runtime_reserve(device: torch.device | str) -> int:
     """Bytes a training process holds on ``device`` beside its step's tensors, which the trace
     cannot see: on CUDA, one cuBLAS workspace for each thread that runs matrix products (the
     training loop's and autograd's backward thread, each with its own handle) and cuBLASLt's.
-    Measured on an H100: 2 x 32 MiB + 1 MiB (``kiln bench plan --device cuda``). 0 elsewhere.
+    As measured on an H100 (``kiln bench plan --device cuda``;
+    docs/lab/facts.md, 'A CUDA process beside its tensors'). 0 elsewhere.
     Where no GPU is here to ask, compute capability 9 (the larger workspace) is assumed."""
     import os
 
@@ -695,8 +697,8 @@ def machine_budget(device: torch.device | str, processes: int) -> int | None:
     available now (``MemAvailable``) divided among them, on CUDA the GPU's total; None where
     it is not known (a device this machine does not have). On CUDA the GPU's total less
     :data:`CUDA_CONTEXT`, read from the device's properties: asking the driver for its free
-    memory (``mem_get_info``) would make a CUDA context here, 518 MiB that kiln train's
-    launcher would then hold on GPU 0 for the whole run (an H100, torch 2.11)."""
+    memory (``mem_get_info``) would make a CUDA context here, which kiln train's launcher would
+    then hold on GPU 0 for the whole run (docs/lab/facts.md, 'A CUDA process beside its tensors')."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -160,9 +160,9 @@ def space(load: Callable[[list[str]], Any], nproc: int, pinned: dict[str, Any], 
 
 def _needs_at_least(c: Candidate, over: Candidate) -> bool:
     """``c`` holds at least the memory of ``over``: the same layout, ZeRO stage and precision, and
-    no more accumulation or checkpointing. (Not across ZeRO stages: ZeRO-2 planned above ZeRO-1
-    on gpt_tiny with full checkpointing, 9.3 against 8.8 MB, its gradient buckets outliving the
-    step's activations.)"""
+    no more accumulation or checkpointing. (Not across ZeRO stages: ZeRO-2 can plan above ZeRO-1,
+    its gradient buckets outliving the step's activations:
+    docs/lab/facts.md, 'What kiln plan found about ZeRO stages')."""
     same = all(c[k] == over[k] for k in ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.zero",
                                          "train.precision"))
     return same and c["train.accumulate"] <= over["train.accumulate"] \

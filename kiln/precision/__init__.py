@@ -6,12 +6,11 @@
   this device (:mod:`kiln.precision.auto`). On a CPU with native bf16 (AVX-512-BF16 or AMX;
   :func:`kiln.hardware.native_low_precision`) kiln times a few forward + backward passes of the
   model on a real batch in both modes, because bf16 pays on some shapes and not on others; on
-  a CPU that emulates bf16 it is ``fp32`` without measuring (on an AVX2-only AMD EPYC, torch
-  2.13, a bf16 matmul took 13-50x the fp32 one, ``kiln bench encoder-layer``'s bf16 variant 7x
-  the fp32 layer); on a GPU it is a rule: ``bf16-mixed`` where the GPU has bf16 units. Decided
-  once, when the run is set up; ``config.yaml`` then holds the chosen mode and ``summary.json``
-  how it was chosen. :func:`resolve` gives the rule's answer, without a model (``fp32`` on a
-  CPU where only a measurement can tell).
+  a CPU that emulates bf16 it is ``fp32`` without measuring (bf16 is many times slower there:
+  docs/lab/facts.md, 'bf16 on a CPU: where it pays'); on a GPU it is a rule: ``bf16-mixed`` where
+  the GPU has bf16 units. Decided once, when the run is set up; ``config.yaml`` then holds the
+  chosen mode and ``summary.json`` how it was chosen. :func:`resolve` gives the rule's answer,
+  without a model (``fp32`` on a CPU where only a measurement can tell).
 - ``fp32``: everything in float32.
 - ``bf16-mixed``: forward under ``torch.autocast(dtype=bfloat16)``; parameters, gradients and
   optimizer state stay float32. bf16 has float32's exponent range, so no loss scaling is needed.
@@ -92,8 +91,7 @@ def emulation_note(mode: str, device: torch.device | str) -> str | None:
         where = f"this GPU ({torch.cuda.get_device_name(device)})"
     else:
         where = f"this CPU ({hardware.cpu_model()}, {hardware.cpu_capability()['capability']})"
-    # Measured on an AVX2-only AMD EPYC, torch 2.13: bf16 and fp16 matmuls 13-50x the fp32 one,
-    # kiln bench encoder-layer's bf16 variant 7x the fp32 layer per iteration.
+    # (how much slower, measured: docs/lab/facts.md, 'bf16 on a CPU: where it pays')
     return (f"train.precision={mode}: {name} is emulated on {where}: expect training several times slower "
             f"than fp32; use train.precision=auto ({resolve('auto', device)} here)")
 

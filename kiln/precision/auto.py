@@ -1,8 +1,8 @@
 """``train.precision=auto``: fp32 or bf16-mixed, whichever trains this model faster here.
 
-A capability flag cannot say it: on a CPU with native bf16 (AVX-512-BF16), bf16 autocast made a
-plain MLP 1.9-3.5x faster, but the digits ViT (width 64, 16 tokens) no faster at all, and
-``kiln bench hf``'s tiny GPT-2 0.85x. So where bf16 could win, kiln measures:
+A capability flag cannot say it: on a CPU with native bf16 (AVX-512-BF16), bf16 autocast made
+some models several times faster and others slower
+(docs/lab/facts.md, 'bf16 on a CPU: where it pays'). So where bf16 could win, kiln measures:
 
 - **CPU with native bf16** (AVX-512-BF16 or AMX, or ``KILN_BF16=native``): a few forward +
   backward passes of the run's own model on a real micro-batch, in both modes, interleaved
@@ -12,8 +12,8 @@ plain MLP 1.9-3.5x faster, but the digits ViT (width 64, 16 tokens) no faster at
   pass, or over 1.5x after the first round, cannot win and is not timed further. The measurement stops after ``MAX_ROUNDS`` rounds,
   or after ``BUDGET_S`` seconds once ``MIN_ROUNDS`` are done.
 - **CPU that emulates bf16** (AVX2 only, or ``KILN_BF16=emulated``): fp32, not measured. bf16
-  cannot win there: a bf16 matmul took 13-50x the fp32 one on an AVX2 AMD EPYC (torch 2.13),
-  so the measurement would only cost seconds (a digits ViT bf16 step took ~40x its fp32 step).
+  cannot win there (a bf16 matmul takes many times the fp32 one), so the measurement would only
+  cost seconds (docs/lab/facts.md, 'bf16 on a CPU: where it pays').
 - **GPU**: a rule, not measured: bf16-mixed where the GPU has bf16 units (Ampere and later),
   fp32 before. On those GPUs bf16 matmuls run on tensor cores at 2-16x fp32's peak, and a
   model too small to gain loses little.

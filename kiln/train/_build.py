@@ -272,8 +272,8 @@ def build_scheduler(optim_cfg: Any, optimizer: torch.optim.Optimizer, total_step
 
 class _Schedule(lr_scheduler.LambdaLR):
     """torch's ``LambdaLR`` (its state dict too, so checkpoints keep their form) whose ``step()``
-    does only its arithmetic after the first: torch's adds checks and a context manager, ~10 us
-    a step, about the host time of a small model's whole optimizer step (kiln bench overhead)."""
+    does only its arithmetic after the first: torch's adds checks and a context manager, about the
+    host time of a small model's whole optimizer step (docs/lab/facts.md, 'Host time')."""
 
     def step(self, epoch: int | None = None) -> None:
         if epoch is not None or self._step_count < 2:  # torch's checks of the call order, once

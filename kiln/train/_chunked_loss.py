@@ -66,22 +66,17 @@ __all__ = ["AUTO_MIN_BYTES", "CHUNK_BYTES", "ChunkedHead", "apply_chunked_head",
            "chunked_cross_entropy", "chunked_eval_sums", "chunked_head_path", "head_path"]
 
 # A chunk's fp32 logits take r x Vl x 4 bytes: about CHUNK_BYTES, and at least MIN_ROWS rows.
-# GPT-2 small's head (C 768, V 50304), loss forward + backward in fp32, CPU time against whole
-# logits on a 2-core AMD EPYC (AVX2), 2 threads, 2048 rows: chunks of 128 rows 1.25x, 256 rows
-# 1.07x, 512 rows 0.96x, one chunk of 2048 0.82x (1 thread, 1024 rows: 64 rows 1.26x, 128 1.07x,
-# 256 0.91x, 1024 0.85x). Fewer rows than that starve the matrix products (each chunk re-reads
-# the whole (Vl, C) weight for a thin product, and adds into the whole weight gradient).
+# Fewer rows starve the matrix products (each chunk re-reads the whole (Vl, C) weight for a thin
+# product, and adds into the whole weight gradient); both sizes timed on GPT-2 small's head
+# (docs/lab/facts.md, 'The chunked LM loss: chunk size and where it pays').
 CHUNK_BYTES = 128 * 2**20
 MIN_ROWS = 512
 
 
-# train.chunked_lm_loss=auto makes whole logits where a batch's would take less. Loss forward +
-# backward, CPU time against whole logits, 1 thread, same machine, two runs (rows x C x V, fp32
-# logits): 512 x 64 x 256 (0.5 MiB) 1.07-1.08x, 1024 x 64 x 256 (1 MiB) 0.97-1.04x, 2048 x 64 x
-# 256 (2 MiB) 0.85-0.87x, 2048 x 128 x 2048 (16 MiB) 0.87-0.88x, 8192 x 128 x 4096 (128 MiB)
-# 0.62-0.72x. The chunks pay from about 2 MiB; below 16 MiB what they save is a few milliseconds
-# and tens of MB a step, so there small models (kiln's tiny configs: 2 MiB a micro-batch) keep
-# the arithmetic they had, bit for bit.
+# train.chunked_lm_loss=auto makes whole logits where a batch's would take less: below it the
+# chunks save a few milliseconds and tens of MB a step, so small models (kiln's tiny configs:
+# 2 MiB a micro-batch) keep the arithmetic they had, bit for bit
+# (docs/lab/facts.md, 'The chunked LM loss: chunk size and where it pays').
 AUTO_MIN_BYTES = 16 * 2**20
 
 

@@ -1,5 +1,5 @@
 """The run's MFU (model FLOPs utilization): the FLOPs a step does, counted once, on the first
-step of each process (:class:`kiln.hardware.flops.CountFlops`, ~20-100 ms for the digits ViT), against
+step of each process (:class:`kiln.hardware.flops.CountFlops`; docs/lab/facts.md, 'Host time'), against
 the peak FLOP/s of the devices that run it (:func:`kiln.hardware.flops.peak_flops`: a GPU's
 datasheet, a CPU's matmul measured once and cached), taken at setup, before the clock starts.
 

@@ -50,10 +50,10 @@ def loss_figure(run_dir: Path) -> Any:
     ax.set_ylabel("loss")
     if _decades(losses) >= 1:
         # a log axis where the losses span a decade or more; over less, its ticks would be the
-        # minor ones, each drawn and labelled (0.18 against 0.155 s a picture of a short run),
+        # minor ones, each drawn and labelled (slower: docs/lab/facts.md, 'Host time'),
         # for a curve a linear axis shows as well
         log_scale(ax.yaxis)
-    ax.set_title(run_dir.name, y=1.0)  # (placed, not fitted around the ticks: ~10 ms a picture)
+    ax.set_title(run_dir.name, y=1.0)  # (placed, not fitted around the ticks: docs/lab/facts.md, 'Host time')
     ax.grid(alpha=0.3)
     ax.legend()
     # fixed margins, not tight_layout's measuring of every label (a third of the picture's time)

@@ -236,7 +236,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
         precision.load_state_dict(ckpt["precision"])
         if best is not None and ckpt.get("best"):
             best.load_state_dict(ckpt["best"])
-        start_step, epoch, in_epoch = ckpt["step"], ckpt["data"]["epoch"], _steps_into_epoch(ckpt)
+        start_step, epoch, in_epoch = ckpt["step"], ckpt["data"]["epoch"], ckpt["data"]["step"]
         meter.load_state_dict(ckpt)
     # whole steps of data.batch_size samples; replays the steps of the epoch already done
     batches = Batches(data.train, tc.accumulate, cfg.data.batch_size, epoch, in_epoch)
@@ -460,15 +460,6 @@ def _check_steps(cfg: Any, data: Data, layout: Any, per_epoch: int) -> None:
             f"data.drop_last=false leaves a last step of {plan.sizes[-1]} samples in each epoch (not "
             f"data.batch_size={cfg.data.batch_size}), which a pipeline (parallel.pp={layout.pp}) cannot split "
             "into equal micro-batches; set data.drop_last=true")
-
-
-def _steps_into_epoch(ckpt: dict[str, Any]) -> int:
-    data = ckpt["data"]
-    if "step" in data:
-        return data["step"]
-    # written before kiln 0.1.1, which counted micro-batches of the saved run's layout
-    saved = ckpt.get("config", {}).get("train", {}).get("accumulate", 1)
-    return data.get("position", 0) // saved
 
 
 def _check_schedule_length(cfg: Any, saved: dict[str, Any], total_steps: int) -> None:

@@ -71,8 +71,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     step, stopped = run.start_step, None  # (no call here: Python checks for signals at calls)
     try:  # at once: a Ctrl-C between setup and the loop is recorded like one in the loop
         tc = cfg.train
-        # plain ints, read once: each lookup in an OmegaConf config takes ~10 us, and the step of
-        # a launch-bound model a few hundred (kiln bench overhead)
+        # plain ints, read once: a lookup in an OmegaConf config costs about as much host time as
+        # a small model's whole optimizer step (docs/lab/facts.md, 'Host time')
         log_every, eval_every, checkpoint_every = tc.log_every, tc.eval_every, tc.checkpoint_every
         compiled, keep = tc.compile, tc.keep_checkpoints
         run.model.train()
