@@ -265,12 +265,10 @@ def _eager(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    from torch._dynamo import config as dynamo_config
-
     old = os.environ.get("KILN_OPTIM_EAGER")  # (kiln.optim's switch to its eager update rules)
     os.environ["KILN_OPTIM_EAGER"] = "1"
     try:
-        with dynamo_config.patch(disable=True):
+        with torch.compiler.set_stance("force_eager"):
             yield
     finally:
         if old is None:
