@@ -71,3 +71,32 @@ def test_state_dict_copies_and_copy_false_gives_the_arena_state():
     assert torch.equal(a, b)
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()  # a copy: loading it elsewhere never aliases
     assert b.data_ptr() == opt.state[next(iter(model.parameters()))]["exp_avg"].data_ptr()  # the arena's own
+
+
+def test_state_on_a_gpu_is_written_a_tensor_a_file_and_resumes_to_the_bit(tmp_path, monkeypatch):
+    """DCP's one file per rank holds every tensor of the file in host memory until it is closed
+    (a GPU run's whole state, in pinned memory: +2.8 GB of RSS on GPT-2 small on an H200). State
+    on a device is written one tensor a file, copied as it is written (no pinned staging); here
+    the CPU takes that path too, and the checkpoint is the same training."""
+    import kiln.parallel._checkpoint as ckpt
+
+    cpu, gpu = ckpt._writer(tmp_path, {"w": torch.zeros(2)}), ckpt._writer(tmp_path, {"w": torch.zeros(2, device="meta")})
+    assert (cpu.single_file_per_rank, gpu.single_file_per_rank, gpu.per_thread_copy_ahead) == (True, False, 0)
+
+    real = ckpt._writer
+    monkeypatch.setattr(ckpt, "_writer", lambda path, tensors: real(path, {"w": torch.zeros(1, device="meta")}))
+    model, opt = _build()
+    _step(model, opt, 0)
+    save_sharded(tmp_path / "ck", model, opt, {"step": 1})
+    files = sorted((tmp_path / "ck").glob("*.distcp"))
+    largest = max(max(p.numel() * p.element_size() for p in model.parameters()), 1)
+    tensors = len(model.state_dict()) + sum(len([k for k in st if k != "step"]) for st in opt.state.values())
+    assert len(files) >= tensors  # (step counters are small tensors of their own too)
+    assert max(f.stat().st_size for f in files) < largest + 2**16
+
+    resumed, resumed_opt = _build()
+    assert load_sharded(tmp_path / "ck", resumed, resumed_opt) == {"step": 1}
+    for m, o in ((model, opt), (resumed, resumed_opt)):
+        _step(m, o, 1)
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

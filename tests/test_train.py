@@ -222,6 +222,33 @@ def test_compile_switch_matches_eager_and_reports_compile_time(tmp_path):
     assert _final(compiled).keys() == _final(eager).keys()  # checkpoints hold the plain model's keys
 
 
+def test_a_compiled_model_is_compiled_for_the_run_and_its_flops_still_counted(tmp_path, monkeypatch):
+    """train.compile=true compiles the model's step, and the steps after the first run the
+    compiled graphs: the FLOP count (a dispatch mode) runs on the second step, eagerly. Counted on
+    the compiled model's first call, it left the model eager for the whole run (kiln compile
+    trained at eager speed on an H200); a counting backend shows it without inductor's minutes."""
+    graphs, calls = [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            calls.append(len(graphs))
+            return gm.forward(*args)
+        return run
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend=backend))
+    run = _train(tmp_path, MLP, "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.compile=true")
+    summary = json.loads((run / "summary.json").read_text())
+    # the model's graphs (its linear layers), none of the counter's, called on steps 1, 3 and 4 at
+    # least (step 2 counts FLOPs eagerly); before, dynamo compiled the counter's op_flops 8 times
+    assert graphs and all("linear" in gm.code for gm in graphs), [gm.code for gm in graphs]
+    assert len(calls) >= 3
+    assert summary["flops_per_step"] > 0 and summary["compile_seconds"] > 0
+    torch._dynamo.reset()
+
+
 def test_tune_measures_every_candidate_and_recommends_the_fastest(capsys):
     from kiln.commands.tune import candidates, tune
 

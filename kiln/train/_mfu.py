@@ -41,14 +41,21 @@ class Mfu:
         self.flops_per_step: float | None = None
         self.flops_per_sample: float | None = None
 
-    def count(self, samples: int) -> contextlib.AbstractContextManager:
+    def count(self, samples: int, compiled: bool = False) -> contextlib.AbstractContextManager:
         """Count the FLOPs of the step run inside, the first time only (``samples``: the step's,
-        over all ranks); a collective the first time, when there are several ranks."""
-        return self._counted(samples) if self.flops_per_step is None else contextlib.nullcontext()
+        over all ranks); a collective the first time, when there are several ranks.
+
+        A compiled model's step is counted eagerly (``torch.compiler.set_stance("force_eager")``),
+        and not on its first call (``compiled``: pass True then, and count a later step): dynamo
+        meeting the counter's dispatch mode on a model's first call left that model eager for
+        the whole run (kiln compile trained at eager speed on an H200: docs/lab/gpu.md)."""
+        if self.flops_per_step is not None or compiled:
+            return contextlib.nullcontext()
+        return self._counted(samples)
 
     @contextlib.contextmanager
     def _counted(self, samples: int) -> Iterator[None]:
-        with CountFlops() as counted:
+        with torch.compiler.set_stance("force_eager"), CountFlops() as counted:
             yield
         total = float(counted.total)
         if self.world > 1:

@@ -83,7 +83,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             lr = run.scheduler.get_last_lr()[0]  # the rate this step runs at (the scheduler steps in it)
             with run.memory.step():  # the first steps' peak of live tensor bytes
                 batch = next(run.batches)
-                with run.mfu.count(batch.samples):  # the first step's FLOPs
+                with run.mfu.count(batch.samples, compiled and step == run.start_step + 1):  # one step's FLOPs
                     loss, grad_norm = train_step(run, batch)
             raise_if_stopped()
             if step == run.start_step + 1 and (compiled or step < run.total_steps):
