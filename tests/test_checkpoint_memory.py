@@ -100,3 +100,31 @@ def test_state_on_a_gpu_is_written_a_tensor_a_file_and_resumes_to_the_bit(tmp_pa
         _step(m, o, 1)
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_zero_optimizer_is_saved_from_its_shards_views_and_resumes_to_the_bit(tmp_path):
+    """ZeRO-1 in one process (its shard: the whole arena): the save writes this rank's pieces from
+    the shard's own state (the wrapper's ``state_dict(copy=False)``, no gather, no copy), and
+    the resumed wrapper takes its pieces back where ``shard_pieces()`` says."""
+    from kiln.parallel import ZeroOptimizer
+
+    model, opt = _build()
+    zero = ZeroOptimizer(opt, stage=1)
+    assert zero.shards and zero.shard_pieces()
+    _step(model, zero, 0)
+    state = _state_bytes(model, zero)
+    with profiled(profile_memory=True) as prof:
+        save_sharded(tmp_path / "ck", model, zero, {"step": 1})
+    allocated = running_peak(prof)
+    assert allocated <= 0.05 * state, f"the save allocated {allocated / state:.1%} of the state's bytes"
+
+    resumed, resumed_opt = _build()
+    resumed_zero = ZeroOptimizer(resumed_opt, stage=1)
+    assert load_sharded(tmp_path / "ck", resumed, resumed_zero) == {"step": 1}
+    for m, o in ((model, zero), (resumed, resumed_zero)):
+        _step(m, o, 1)
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    for st_a, st_b in zip(zero.state.values(), resumed_zero.state.values()):
+        for k in st_a:
+            assert torch.equal(st_a[k], st_b[k]), k

@@ -5,13 +5,14 @@ and the one table of the features that need the arena."""
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kiln.optim as ko
-from kiln.config import OptimConfig, ParallelConfig, TrainConfig
+from kiln.config import ConfigError, OptimConfig, ParallelConfig, TrainConfig, load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -119,3 +120,91 @@ def test_the_arena_tables_name_config_keys_and_values_the_schema_takes():
     impls = typing.get_args(types["optim.impl"])
     (impl,) = [no for no in ko.NO_ARENA if no.key == "optim.impl"]
     assert [v for v in impls if impl.leaves_out(v)] == [v for v in impls if v != "kiln"]
+
+
+# -- the contract's readers: ZeRO's wrapper keeps it, the config check and the runtime share one table --
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "configs" / "digits_mlp.yaml")
+
+
+def _config_error(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(MLP, overrides)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_optimizer_keeps_the_protocol_and_hands_out_the_inner_optimizers_buffers(stage):
+    from kiln.parallel import ZeroOptimizer
+
+    model = _model()
+    inner = ko.AdamW(model.parameters(), shard_multiple=1)
+    zero = ZeroOptimizer(inner, stage)  # one process: the whole arena is this rank's shard
+    assert isinstance(zero, ko.KilnOptimizer) and ko.has_arena(zero)
+    assert not isinstance(zero, ko.ShardableOptimizer)  # it shards; nothing shards it
+    _step(model, zero)
+    assert zero.arenas == inner.arenas and zero.shards == inner.shards
+    assert [ps for _, ps in zero.packed_params()] == [ps for _, ps in inner.packed_params()]
+    assert zero.grad_buffers() == inner.grad_buffers() and zero.state_tensors() == inner.state_tensors()
+    assert zero.state_bytes() == 2 * inner.arenas[0].numel * 4
+    assert (zero.shard_pieces() == {}) == (stage == 0)
+    views, full = zero.state_dict(copy=False), zero.state_dict()
+    p0 = next(iter(model.parameters()))
+    assert ("pieces" in views) == (stage > 0) and "pieces" not in full  # the wrapper's own dict is whole
+    assert full["state"][0]["exp_avg"].shape == p0.shape
+    assert views["state"][0]["exp_avg"].untyped_storage().data_ptr() in _storages(zero.state_tensors())
+    assert full["state"][0]["exp_avg"].untyped_storage().data_ptr() not in _storages(zero.state_tensors())
+    # the clip asks the wrapper for its parts: the gradients the step read, which ZeRO-2 keeps
+    # only in the shards (every p.grad is freed: a clip of the parameters' would find none)
+    expected = torch.cat([g.flatten() for g in zero.flat_grads()]).norm()
+    assert expected > 0 and (stage < 2 or all(p.grad is None for p in model.parameters()))
+    assert torch.allclose(ko.clip_grad_norm_(zero, 1e9), expected)
+
+
+@pytest.mark.parametrize("feature", [f for f, need in ko.ARENA_FEATURES.items() if need.required])
+def test_the_config_refuses_each_arena_conflict_with_the_tables_one_line(feature):
+    need = ko.ARENA_FEATURES[feature]
+    left_out = {"optim.impl": "torch-fused", "optim.contiguous": False, "parallel.zero": 3, "parallel.tp": 2}
+    assert set(left_out) == {no.key for no in ko.NO_ARENA}
+    for key, value in left_out.items():
+        if key == need.key:
+            continue  # (parallel.zero=3 is no ZeRO-1/2 to refuse)
+        setting = str(value).lower() if isinstance(value, bool) else value
+        msg = _config_error([f"{need.key}={need.value}", f"{key}={setting}"])
+        assert msg == ko.arena_missing(feature, key, value)
+        assert need.setting in msg and f"{key}={setting}" in msg  # the key, and both fixes
+        (no,) = [no for no in ko.NO_ARENA if no.key == key]
+        assert no.undo in msg and need.instead in msg
+
+
+def test_the_runtime_refuses_with_the_configs_reasons():
+    from kiln.parallel import ZeroOptimizer
+    from kiln.precision import MasterWeights
+
+    model = _model()
+    lists = ko.AdamW(model.parameters(), contiguous=False)
+    with pytest.raises(ValueError) as err:
+        MasterWeights(model, lists)
+    assert str(err.value) == _config_error(["train.precision=bf16-true", "optim.contiguous=false"])
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before the model became bf16
+    with pytest.raises(ValueError, match=r"optim.impl=torch \(SGD\) leaves out .*: set optim.impl=kiln"):
+        MasterWeights(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for stage in (1, 2):
+        with pytest.raises(TypeError) as err:
+            ZeroOptimizer(lists, stage)
+        assert _config_error([f"parallel.zero={stage}", "optim.contiguous=false"]) in str(err.value)
+    with pytest.raises(TypeError, match="contiguous=True"):
+        ZeroOptimizer(lists, 0)
+    with pytest.raises(TypeError, match="contiguous=True"):  # a wrapper is no optimizer to shard again
+        ZeroOptimizer(ZeroOptimizer(ko.AdamW(model.parameters()), 0), 0)
+
+
+def test_a_layout_keeps_the_arena_unless_the_table_leaves_it_out():
+    from kiln.parallel import Layout, Parallel
+
+    model = torch.nn.Linear(2, 2)
+    assert not Parallel(model, Layout(dp=2), zero=3).arena  # FSDP2's DTensor shards
+    assert not Parallel(model, Layout(tp=2), zero=0).arena  # tensor-parallel DTensors
+    assert Parallel(model, Layout(dp=1), zero=3).arena  # one replica: no FSDP2 is applied
+    assert Parallel(model, Layout(dp=2), zero=2).arena and Parallel(model, Layout(dp=2), zero=0).arena

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.optim import local_tensor
+
 
 class Rss:
     """Resident set size of this process in bytes, from ``/proc/self/status``, with the peak
@@ -45,7 +47,7 @@ def held_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct, allocated storages behind tensors (a DTensor: its local shard)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = getattr(t, "_local_tensor", t).untyped_storage()
+        st = local_tensor(t).untyped_storage()
         if st.nbytes() and st.data_ptr() not in seen:
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

@@ -79,6 +79,7 @@ import torch
 from torch import nn
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, paired
+from kiln.optim import KilnOptimizer
 
 # Shape legend: B batch (per rank), T sequence length, C width, V vocabulary.
 
@@ -178,12 +179,15 @@ def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimiz
 
 def _classes(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What a method really ran, for the JSON (and the test that reads it)."""
+    from kiln.parallel import ZeroOptimizer
+
     def name(obj: Any) -> str:
         return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
-    inner = getattr(opt, "optimizer", opt)  # a ZeroOptimizer's kiln optimizer
+    zero = opt if isinstance(opt, ZeroOptimizer) else None
+    inner = zero.optimizer if zero is not None else opt
     return {"module": name(net), "optimizer": name(opt), "inner_optimizer": name(inner),
-            "fused": inner.defaults.get("fused"), "stage": getattr(opt, "stage", None)}
+            "fused": inner.defaults.get("fused"), "stage": zero.stage if zero is not None else None}
 
 
 # -- one method on one rank -------------------------------------------------------------------------
@@ -232,7 +236,7 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool, device: s
 
     # ZeRO-2's parameter exchange runs into the next forward: the last one is waited for inside
     # the timed (and the profiled) steps, and none is in flight when they start
-    done = getattr(opt, "wait_parameters", lambda: None)
+    done = opt.wait_parameters if isinstance(opt, KilnOptimizer) else lambda: None
     for i in range(warmup):
         step(i)
     done()

@@ -21,7 +21,7 @@ timed steps, then ``PROFILED`` steps under ``torch.profiler``. Columns, per row:
 - samples/s: global batch x timed steps / wall time between two barriers (rank 0's clock).
 - state MB: bytes of model state the rank really holds after a step, before ``zero_grad``:
   parameters + gradients + optimizer state (AdamW's two moments and step counts), summing the
-  distinct storages behind the local tensors (a DTensor counts its ``_local_tensor``; the
+  distinct storages behind the local tensors (a DTensor counts its ``to_local()``; the
   arena's flat buffers count once, alignment padding included). The largest rank is shown
   (with pp the stages differ: the first holds the embedding, the last the head). This is the
   column that shows sharding: tp=2 and pp=2 about halve it, dp replicates it.
@@ -101,8 +101,8 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _state_bytes(params: list[torch.Tensor], opt: Any) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, in bytes (kiln optimizer in
     arena or multi-tensor mode: arena buffers counted once, padding included)."""
-    grads = [p.grad for p in params if p.grad is not None] + [a.grad for a in opt.arenas]
-    return {"param_bytes": held_bytes(params), "grad_bytes": held_bytes(grads), "optim_bytes": opt.state_bytes()}
+    return {"param_bytes": held_bytes(params), "grad_bytes": held_bytes(opt.grad_buffers()),
+            "optim_bytes": opt.state_bytes()}
 
 
 # -- one model on one rank --------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[
 
     return {
         "rank": rank, "coords": where, "n_params": n_params,
-        "n_params_local": sum(getattr(p, "_local_tensor", p).numel() for p in params),
+        "n_params_local": sum(kiln.optim.local_tensor(p).numel() for p in params),
         **state, "state_bytes": sum(state.values()),
         "wall_s": wall,
         "peak_rss_bytes": max(peak_setup, peak_steps) - rss_start,

@@ -78,9 +78,7 @@ def _worker(rank: int, world: int, width: int, depth: int, steps: int) -> list[d
         broadcast_parameters(model)
         zero = ZeroOptimizer(opt, stage)
         ms = _train(model, lambda: (zero.step(), zero.zero_grad()), rank, width, steps)
-        grads = [a.grad for a in opt.arenas] + [s.grad for s in zero.shards]
-        state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]  # views of flat buffers
-        rows.append(_row(stage, world, rank, model, grads, state, ms))
+        rows.append(_row(stage, world, rank, model, zero.grad_buffers(), zero.state_tensors(), ms))
         del zero, opt, model
     rows.append(_fsdp_row(rank, world, width, depth, steps))
     return rows
@@ -99,9 +97,7 @@ def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int) -> dict
     fully_shard(model)
     opt = ko.AdamW(model.parameters(), lr=1e-3, contiguous=False)
     ms = _train(model, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), rank, width, steps)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-    return _row(3, world, rank, model, grads, state, ms)
+    return _row(3, world, rank, model, opt.grad_buffers(), opt.state_tensors(), ms)
 
 
 def measure(quick: bool = False) -> Result:

@@ -529,6 +529,16 @@ def _validate_ranges(cfg: dict[str, Any]) -> None:
                           "optimizer's default")
 
 
+def _check_arena(cfg: dict[str, Any]) -> None:
+    """The features that need kiln's arena (bf16-true, ZeRO-1/2) against the settings that leave
+    it out, from kiln.optim's one table of them (the runtime reads the same)."""
+    from kiln.optim import ARENA_FEATURES, NO_ARENA, arena_conflicts  # (torch; _validate_optim imported it)
+
+    keys = {need.key for need in ARENA_FEATURES.values()} | {no.key for no in NO_ARENA}
+    for reason in arena_conflicts({key: cfg[ns][name] for key in keys for ns, name in [key.split(".")]}):
+        raise ConfigError(reason)
+
+
 def _validate_cross(cfg: dict[str, Any]) -> None:
     """Checks that need more than one key."""
     train, data = cfg["train"], cfg["data"]
@@ -573,19 +583,7 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         from kiln.hardware import check_bf16_override
 
         check_bf16_override()  # KILN_BF16 set to something it does not know: said now, not in every worker
-    if cfg["optim"]["impl"] != "kiln" and (train["precision"] == "bf16-true" or cfg["parallel"]["zero"] in (1, 2)):
-        what = "train.precision=bf16-true" if train["precision"] == "bf16-true" else f"parallel.zero={cfg['parallel']['zero']}"
-        raise ConfigError(f"{what} works on kiln's arena, which optim.impl={cfg['optim']['impl']} (torch.optim's "
-                          "class) does not have; set optim.impl=kiln")
-    if train["precision"] == "bf16-true" and not cfg["optim"]["contiguous"]:
-        raise ConfigError("train.precision=bf16-true keeps its fp32 master weights in kiln's arena; "
-                          "set optim.contiguous=true (or use train.precision=bf16-mixed)")
-    if train["precision"] == "bf16-true" and cfg["parallel"]["zero"] == 3:
-        raise ConfigError("train.precision=bf16-true keeps its fp32 master weights in kiln's flat arena, which "
-                          "FSDP2 (parallel.zero=3) replaces by per-parameter shards; use parallel.zero=1 or 2, "
-                          "or train.precision=bf16-mixed")
-    if cfg["parallel"]["zero"] in (1, 2) and not cfg["optim"]["contiguous"]:
-        raise ConfigError(f"parallel.zero={cfg['parallel']['zero']} shards kiln's arena; set optim.contiguous=true")
+    _check_arena(cfg)
     if train["keep_checkpoints"] < 1:
         raise ConfigError(f"train.keep_checkpoints={train['keep_checkpoints']} must be at least 1")
     if cfg["optim"]["lr"] <= 0:

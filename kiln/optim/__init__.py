@@ -33,7 +33,7 @@ from kiln.optim._arena import Arena, ArenaSlice, Piece, arena_layout
 from kiln.optim._base import ArenaOptimizer, torch_method
 from kiln.optim._clip import clip_grad_norm_
 from kiln.optim._contract import (ARENA_FEATURES, NO_ARENA, ArenaNeed, KilnOptimizer, NoArena, ShardableOptimizer,
-                                  arena_conflicts, arena_missing, has_arena, no_arena_setting)
+                                  arena_conflicts, arena_missing, has_arena, local_tensor, no_arena_setting)
 from kiln.optim._native import native_kernels_build
 from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 
@@ -42,8 +42,8 @@ OPTIMIZERS = {cls.config_name: cls for cls in (AdamW, Adam, SGD, LAMB, LARS)}
 
 __all__ = ["ARENA_FEATURES", "NO_ARENA", "Arena", "ArenaNeed", "ArenaSlice", "NoArena", "Piece", "arena_conflicts",
            "arena_layout", "arena_missing", "ArenaOptimizer", "KilnOptimizer", "ShardableOptimizer", "SGD", "Adam",
-           "AdamW", "LAMB", "LARS", "OPTIMIZERS", "clip_grad_norm_", "has_arena", "native_kernels_build",
-           "no_arena_setting", "norms_as_row_views", "torch_method"]
+           "AdamW", "LAMB", "LARS", "OPTIMIZERS", "clip_grad_norm_", "has_arena", "local_tensor",
+           "native_kernels_build", "no_arena_setting", "norms_as_row_views", "torch_method"]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ import torch
 
 from kiln.optim._arena import Arena, ArenaSlice
 from kiln.optim._clip import param_grad_parts
-from kiln.optim._packing import Packing, local
+from kiln.optim._contract import local_tensor
+from kiln.optim._packing import Packing
 from kiln.optim._shard import Sharding
 
 __all__ = ["ArenaAccess"]
@@ -33,7 +34,7 @@ class ArenaAccess:
     state: Any
 
     def _grads(self) -> list[torch.Tensor]:
-        return [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     @property
     def arenas(self) -> list[Arena]:
@@ -120,7 +121,7 @@ class ArenaAccess:
         (once sharded, the shards') and the update's scratch buffers; or, without an arena,
         each state tensor (a DTensor's local shard)."""
         if not self.contiguous:
-            return [local(v) for st in self.state.values() for v in st.values() if torch.is_tensor(v)]
+            return [local_tensor(v) for st in self.state.values() for v in st.values() if torch.is_tensor(v)]
         packs = self.packing.packs + (self.sharding.packs if self.sharding is not None else [])
         return [b for pk in packs for b in [*pk.state.values(), *([pk.scratch] if pk.scratch is not None else [])]]
 

@@ -15,9 +15,9 @@ A reducer is ``reduce(x, op)``: combine the 0-d tensor ``x`` in place over the r
 the rest, ``op`` "sum" or "max" (the inf-norm). kiln.optim itself never communicates: whoever
 splits the gradient across ranks supplies the reducer.
 
-Whatever holds the gradients says what its parts are: :func:`grad_parts` asks an object's
-``grad_parts()`` method (kiln's optimizers and ZeRO's wrapper have one) or reads parameters'
-``.grad``. One reduction per part, one multiply per tensor; no data-dependent branch (a host
+Whatever holds the gradients says what its parts are: :func:`grad_parts` asks a
+:class:`~kiln.optim.KilnOptimizer` (kiln's optimizers and ZeRO's wrapper) for its
+``grad_parts()`` or reads parameters' ``.grad``. One reduction per part, one multiply per tensor; no data-dependent branch (a host
 sync on GPUs). Norms of long tensors (an arena's flat gradient) are blocked
 (:func:`kiln.optim._norms.tensor_norms`).
 """
@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kiln.optim._contract import KilnOptimizer, is_dtensor
 from kiln.optim._norms import tensor_norms
 
 Reducer = Callable[[torch.Tensor, str], Any]  # reduce(x, op): combine x in place over other ranks
@@ -51,13 +52,12 @@ def _dtensor_reducer(mesh: Any, placements: tuple[Any, ...]) -> Reducer:
 
 def _local_and_key(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """A gradient's local tensor and what its reducer depends on (None: a plain tensor)."""
-    local = getattr(t, "_local_tensor", None)
-    if local is None:
+    if not is_dtensor(t):
         return t, None
     if any(p.is_partial() for p in t.placements):
         raise ValueError(f"a gradient with Partial placements {t.placements}: reduce it before clipping")
     placements = tuple(t.placements)
-    return local, None if all(p.is_replicate() for p in placements) else (t.device_mesh, placements)
+    return t.to_local(), None if all(p.is_replicate() for p in placements) else (t.device_mesh, placements)
 
 
 def param_grad_parts(params: Iterable[torch.Tensor]) -> list[GradPart]:
@@ -75,9 +75,9 @@ def param_grad_parts(params: Iterable[torch.Tensor]) -> list[GradPart]:
 
 
 def grad_parts(obj: Any) -> list[GradPart]:
-    """The gradient parts of an optimizer (its ``grad_parts()``, or its parameters' ``.grad``),
-    a tensor or an iterable of parameters."""
-    if callable(getattr(obj, "grad_parts", None)):
+    """The gradient parts of an optimizer (a kiln one's ``grad_parts()``, or its parameters'
+    ``.grad``), a tensor or an iterable of parameters."""
+    if isinstance(obj, KilnOptimizer):
         return obj.grad_parts()
     if isinstance(obj, torch.optim.Optimizer):
         return param_grad_parts(p for g in obj.param_groups for p in g["params"])

@@ -15,7 +15,8 @@ import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
 from kiln.optim._chain import Update, run
-from kiln.optim._packing import as_real, is_dtensor
+from kiln.optim._contract import is_dtensor
+from kiln.optim._packing import as_real
 from kiln.optim._rules import TensorList
 
 __all__ = ["ListSpace", "init_list_state", "no_complex", "step_lists", "update"]
@@ -159,14 +160,18 @@ def _update_dtensors(opt: Any, group: dict[str, Any], ps: list[torch.Tensor], ke
         raise ValueError(f"kiln.optim: parameters with Partial placements are not supported: {placements}")
 
     def local(t: Any) -> Any:
-        return t._local_tensor if isinstance(t, DTensor) else t
+        return t.to_local() if isinstance(t, DTensor) else t
 
-    locs, saved, local_state = [], opt.state, {}
+    locs, saved, local_state, given = [], opt.state, {}, []
     for p in ps:
-        lp = p._local_tensor.detach()  # a view of the shard: updates land in the parameter
+        # grad mode is off in a step: a Parameter's to_local() is a fresh view of its shard, any
+        # other DTensor's the shard itself; either way updates land in the parameter, and the
+        # .grad set here is taken off again below
+        lp = p.to_local()
         lp.grad = local(p.grad)
         locs.append(lp)
         local_state[lp] = {k: local(v) for k, v in saved.get(p, {}).items()}
+        given.append(dict(local_state[lp]))
     opt.state = local_state
     opt.complete_norms = _norm_completer(mesh, placements)
     try:
@@ -174,14 +179,13 @@ def _update_dtensors(opt: Any, group: dict[str, Any], ps: list[torch.Tensor], ke
     finally:
         opt.state = saved
         opt.complete_norms = None
-    for p, lp in zip(ps, locs):
+    for p, lp, before in zip(ps, locs, given):
         lp.grad = None
         if not local_state[lp]:  # no state (SGD without momentum): no entry, as torch
             continue
         st = saved[p]
         for k, v in local_state[lp].items():
-            old = st.get(k)
-            if old is v or (isinstance(old, DTensor) and old._local_tensor is v):
+            if v is before.get(k):  # updated in place (the DTensor's own shard, or a plain 'step')
                 continue
             if torch.is_tensor(v) and k != "step" and v.shape == lp.shape:
                 v = DTensor.from_local(v, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -61,25 +61,14 @@ import torch
 
 from kiln.errors import KilnWarning
 from kiln.optim._arena import Arena, ArenaSlice
+from kiln.optim._contract import is_dtensor
 
-__all__ = ["FlatRange", "Pack", "Packing", "as_real", "is_dtensor", "local", "step_runs"]
+__all__ = ["FlatRange", "Pack", "Packing", "as_real", "step_runs"]
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
 _use_count = torch._C._storage_Use_Count
 _DEAD = object()  # what a dead watched view is expected to be: never any p.grad
-
-
-def is_dtensor(t: Any) -> bool:
-    # no DTensor exists before torch.distributed.tensor is imported (a second of imports, with
-    # sympy, that a run without tensor parallelism or FSDP2 never needs)
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: in-place work on it reaches the DTensor), else t."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def as_real(ts: list[torch.Tensor]) -> list[torch.Tensor]:

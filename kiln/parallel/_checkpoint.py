@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
+from kiln.optim import KilnOptimizer
 __all__ = ["save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
 
 META_FILE = "kiln_meta.json"
@@ -94,9 +95,8 @@ def _barrier() -> None:
 def _wait_parameters(optimizer: Optimizer | None) -> None:
     """A ZeroOptimizer whose parameter exchange runs into the next forward
     (``overlap_param_gather``): every parameter current before it is read or written."""
-    wait = getattr(optimizer, "wait_parameters", None)
-    if wait is not None:
-        wait()
+    if isinstance(optimizer, KilnOptimizer):
+        optimizer.wait_parameters()
 
 
 def _modules(model: Modules) -> list[nn.Module]:
@@ -204,22 +204,18 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-def _sharded(optimizer: Optimizer | None) -> Any:
-    """The kiln optimizer that steps only this rank's shard (the one a ZeroOptimizer of stage
-    1 or 2 wraps), or None."""
-    from kiln.optim import ArenaOptimizer
-
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if isinstance(inner, ArenaOptimizer) and inner.shards else None
+def _sharded(optimizer: Optimizer | None) -> bool:
+    """The optimizer steps only this rank's shard of its arenas (ZeRO-1/2): its state is this
+    rank's pieces of each tensor, cut where ``shard_pieces()`` says."""
+    return isinstance(optimizer, KilnOptimizer) and bool(optimizer.shards)
 
 
 def _state_views(optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` whose tensors are the optimizer's own, not copies: kiln's
-    arena optimizer copies its state in ``state_dict()`` (torch.optim's, like this, does not),
-    and a checkpoint writes from the arena itself."""
-    from kiln.optim import ArenaOptimizer
-
-    return optimizer.state_dict(copy=False) if isinstance(optimizer, ArenaOptimizer) else optimizer.state_dict()
+    """``optimizer.state_dict()`` whose tensors are the optimizer's own, not copies: a kiln
+    optimizer copies its state in ``state_dict()`` (torch.optim's, like this, does not; a
+    ZeroOptimizer gathers it), and a checkpoint writes from the arena itself (sharded: this
+    rank's pieces, and ``"pieces"``)."""
+    return optimizer.state_dict(copy=False) if isinstance(optimizer, KilnOptimizer) else optimizer.state_dict()
 
 
 def _boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -426,7 +422,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             shape = {i: torch.Size(held(names[id(p)], tuple(p.shape))) for i, p in indexed}
             sharded = _sharded(optimizer)
             # a shard's own state dict: this rank's pieces, and where they lie (no gather)
-            osd = _state_views(sharded or optimizer)
+            osd = _state_views(optimizer)
             pieces = osd.pop("pieces", {})
             for idx, st in osd["state"].items():
                 entry = {"tensors": [], "other": {}}
@@ -434,7 +430,7 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                     if not torch.is_tensor(v):
                         entry["other"][k] = _jsonable(v)
                         continue
-                    if sharded is not None and k != "step":
+                    if sharded and k != "step":
                         chunks[f"{_STATE}{fqn[idx]}.{k}"] = (shape[idx], _piece_boxes(shape[idx], pieces.get(idx), v))
                     else:
                         tensors[f"{_STATE}{fqn[idx]}.{k}"] = _as_held(held, fqn[idx], v)
@@ -594,7 +590,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
     opt_targets: dict[str, dict[str, Any]] = {}
     chunks: dict[str, list] = {}
     sharded = _sharded(optimizer)
-    pieces = sharded.shard_pieces() if sharded is not None else {}  # where this rank's shards cut
+    pieces = optimizer.shard_pieces() if sharded else {}  # where this rank's shards cut
     put_back: list[tuple[dict[str, Any], str, str]] = []  # state entries read through a held shape
     for start, ps in _indexed_params(optimizer) if optimizer is not None else ():
         for idx, p in enumerate(ps, start):
@@ -607,7 +603,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
                 key = f"{_STATE}{fqn}.{k}"
                 size, dtype = tuple(saved[key].size), saved[key].properties.dtype
                 held_p = held(fqn, tuple(p.shape))
-                if sharded is not None and k != "step":  # this rank's piece only, read as chunks
+                if sharded and k != "step":  # this rank's piece only, read as chunks
                     a, b = pieces.get(idx, (0, 0))
                     st[k] = torch.zeros(b - a, dtype=dtype, device=p.device)
                     chunks[key] = _piece_boxes(held_p, pieces.get(idx), st[k])
@@ -644,7 +640,7 @@ def load_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             if fqn in opt_targets:
                 state[i] = {**opt_targets[fqn], **meta["state"][fqn]["other"]}
     optimizer.load_state_dict({"state": state, "param_groups": groups,  # a shard's: its pieces, and where
-                               **({"pieces": pieces} if sharded is not None else {})})
+                               **({"pieces": pieces} if sharded else {})})
     return meta["extra"]
 
 

@@ -60,17 +60,14 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
             raise ConfigError(f"parallel.{key}={size} needs a model family with {what} plan "
                               f"({', '.join(families_with(cap)) or 'none is registered'}); {model_is} has none. Use "
                               f"one of those, or parallel.{key}=1 (data parallel, ZeRO and FSDP2 work with any model)")
-    if tp > 1 and par["zero"] in (1, 2):
-        raise ConfigError(f"parallel.zero={par['zero']} shards kiln's flat arena, which cannot hold tensor-parallel "
-                          f"(DTensor) parameters; with parallel.tp={tp} use parallel.zero=3 (FSDP2 over the "
-                          "data-parallel ranks) or parallel.zero=0")
+    # (what tp > 1 leaves out, ZeRO-1/2 and bf16-true on kiln's arena, the config's validation
+    # refused already, from kiln.optim.ARENA_FEATURES)
     if pp > 1 and train["precision"] == "fp16-mixed":
         raise ConfigError("train.precision=fp16-mixed scales the loss before backward, which a pipeline schedule "
                           f"runs itself; with parallel.pp={pp} use train.precision=bf16-mixed (no loss scaling needed)")
-    if (tp > 1 or pp > 1) and train["precision"] == "bf16-true":
+    if pp > 1 and train["precision"] == "bf16-true":
         raise ConfigError(f"train.precision=bf16-true keeps fp32 master weights mirroring kiln's flat arena, which "
-                          f"parallel.tp={tp} / parallel.pp={pp} runs do not use for all of the model; use "
-                          "train.precision=bf16-mixed")
+                          f"parallel.pp={pp} runs do not use for all of the model; use train.precision=bf16-mixed")
     if pp > 1 and train["compile"]:
         raise ConfigError(f"train.compile=true with parallel.pp={pp} is not supported: pipeline stages run their "
                           "own forward; set train.compile=false")

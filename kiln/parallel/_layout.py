@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kiln.optim import NO_ARENA
 from kiln.parallel._mesh import Layout, build_mesh
 
 __all__ = ["Parallel", "parallelize", "stage_elements"]
@@ -52,8 +53,11 @@ class Parallel:
 
     @property
     def arena(self) -> bool:
-        """Whether the optimizer can keep the parameters in kiln's flat arena (plain tensors)."""
-        return not (self.fsdp or self.tp)
+        """Whether the optimizer can keep the parameters in kiln's flat arena: no setting of
+        :data:`kiln.optim.NO_ARENA` that this layout applies leaves it out (zero=3 applies FSDP2
+        only over several data-parallel ranks)."""
+        applied = {"parallel.tp": self.layout.tp, **({"parallel.zero": 3} if self.fsdp else {})}
+        return not any(no.leaves_out(applied[no.key]) for no in NO_ARENA if no.key in applied)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Wrap forward, loss and backward (tensor parallelism computes the cross-entropy on

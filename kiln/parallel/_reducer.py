@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from kiln.optim import ArenaOptimizer
+from kiln.optim import ShardableOptimizer, has_arena, local_tensor
 
 __all__ = ["Backend", "GradReducer"]
 
@@ -105,7 +105,7 @@ class GradReducer:
     def __init__(self, source: Any, stage: int, backend: Backend, *, overlap: bool = False,
                  bucket_bytes: int = 25 * 2**20) -> None:
         self.source, self.stage, self.backend = source, stage, backend
-        self.arena = isinstance(source, ArenaOptimizer) and source.contiguous
+        self.arena = isinstance(source, ShardableOptimizer) and has_arena(source)
         self.spans: list[tuple[int, int, int]] = []  # (arena, lo, hi) per bucket
         self.views: list[torch.Tensor] = []  # each bucket's slice of its arena's flat gradient
         self.owner: list[int] = []  # group rank receiving the bucket's sums (stages 1, 2)
@@ -298,17 +298,14 @@ class GradReducer:
         for p in params:
             if p.grad is None:  # every rank must send the same buffer: a missing gradient is zero
                 p.grad = torch.zeros_like(p)
-        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params]
+        grads = [local_tensor(p.grad) for p in params]
         sum_over_ranks(grads, self.backend)
         torch._foreach_div_(grads, self.backend.world)
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The parameters of an optimizer (a ZeRO wrapper's inner one), a module's parameters and
-    buffers, or the tensors of an iterable."""
-    inner = getattr(obj, "optimizer", None)
-    if isinstance(inner, Optimizer):
-        obj = inner
+    """The parameters of an optimizer (a ZeRO wrapper shares its inner one's parameter groups),
+    a module's parameters and buffers, or the tensors of an iterable."""
     if isinstance(obj, Optimizer):
         return [p for g in obj.param_groups for p in g["params"]]
     if isinstance(obj, torch.nn.Module):

@@ -356,7 +356,7 @@ def _broadcast_replicated(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if isinstance(t, DTensor):
             if any(not p.is_replicate() for p in t.placements):
                 continue
-            t = t._local_tensor
+            t = t.to_local()
         if t.device.type != "meta":
             dist.broadcast(t.data, group=group, group_src=0)
 

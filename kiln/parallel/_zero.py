@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from kiln.optim import ArenaOptimizer, ArenaSlice, torch_method
+from kiln.optim import Arena, ArenaSlice, ShardableOptimizer, arena_missing, no_arena_setting, torch_method
 from kiln.parallel._dist import reducer
 from kiln.parallel._reducer import Backend, GradReducer, sum_over_ranks, tensors_of
 
@@ -141,10 +141,13 @@ def sync_gradients(optimizer: Optimizer, last: bool = True) -> contextlib.Abstra
 
 # -- ZeRO-1 / ZeRO-2 ----------------------------------------------------------------------------
 class ZeroOptimizer(Optimizer):
-    """ZeRO stage 1 or 2 (or plain data parallel, ``stage=0``) around a kiln optimizer.
+    """ZeRO stage 1 or 2 (or plain data parallel, ``stage=0``) around a kiln optimizer; itself a
+    :class:`~kiln.optim.KilnOptimizer` (what it hands out is the inner optimizer's, this rank's
+    shards where the step reads them).
 
     Args:
-        optimizer: a kiln optimizer (``contiguous=True``) built with ``shard_multiple=world``
+        optimizer: a kiln optimizer on its arena (a :class:`~kiln.optim.ShardableOptimizer`
+            with ``contiguous=True``) built with ``shard_multiple=world``
             (the default in an initialised process group). Stages 1 and 2 shard it
             (:meth:`~kiln.optim.ArenaOptimizer.shard`): its state never exists at full size.
         stage: 0 (all-reduce, full state on every rank), 1 (sharded optimizer state), 2
@@ -160,12 +163,16 @@ class ZeroOptimizer(Optimizer):
     DDP); frozen ones never do. Stage 2 drops any gradient present when it is built.
     """
 
-    def __init__(self, optimizer: ArenaOptimizer, stage: int = 1, group: dist.ProcessGroup | None = None, *,
+    def __init__(self, optimizer: ShardableOptimizer, stage: int = 1, group: dist.ProcessGroup | None = None, *,
                  overlap: bool = False, bucket_mb: float = 25.0):
-        if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
-            raise TypeError("ZeroOptimizer needs one of kiln.optim's optimizers with contiguous=True")
         if stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0, 1 or 2 (stage 3 is FSDP2 fully_shard), got {stage}")
+        missing = no_arena_setting(optimizer)
+        if missing is not None and stage > 0:
+            raise TypeError(f"ZeroOptimizer: {arena_missing(f'zero-{stage}', *missing)}")
+        if missing is not None or not isinstance(optimizer, ShardableOptimizer):
+            raise TypeError(f"ZeroOptimizer needs one of kiln.optim's optimizers with contiguous=True, got "
+                            f"{type(optimizer).__name__}")
         self.optimizer, self.stage, self.group = optimizer, stage, group
         self.backend = Backend(group)
         self.world, self.rank = self.backend.world, self.backend.rank
@@ -196,14 +203,14 @@ class ZeroOptimizer(Optimizer):
 
     # -- gradients ----------------------------------------------------------------------------
     def _free_grads(self) -> None:
-        self.optimizer.packing.park_grads()
+        self.optimizer.park_grads()
         self._freed = True
 
     def materialize_grads(self) -> None:
         """Stage 2: bring back the full flat gradients as zeros, ``p.grad`` views re-linked. Runs
         by itself at a backward's first gradient; call it before writing gradients by hand."""
         if self._freed:
-            self.optimizer.packing.unpark_grads(self._grad_nbytes, before_touch=_huge_pages)
+            self.optimizer.unpark_grads(self._grad_nbytes, before_touch=_huge_pages)
             self._freed = False
 
     @torch.no_grad()
@@ -272,6 +279,11 @@ class ZeroOptimizer(Optimizer):
         """For :func:`kiln.optim.clip_grad_norm_`: the full gradients, or the shards (over the group)."""
         return self.optimizer.grad_parts()
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Every buffer that holds gradients: the arenas' flat ones (stage 2: empty storages while
+        freed) and the shards' (memory accounting)."""
+        return self.optimizer.grad_buffers()
+
     def mark_grads_ready(self) -> None:
         self.optimizer.mark_grads_ready()  # gradients written by hand (master weights)
 
@@ -303,19 +315,38 @@ class ZeroOptimizer(Optimizer):
 
     # -- inspection and state -------------------------------------------------------------------
     @property
+    def contiguous(self) -> bool:
+        return True  # (checked in __init__: the parameters live in the inner optimizer's arenas)
+
+    @property
+    def arenas(self) -> list[Arena]:
+        return self.optimizer.arenas
+
+    @property
     def shards(self) -> list[ArenaSlice]:
         return self.optimizer.shards  # this rank's shard of each arena (stages 1, 2)
+
+    def packed_params(self) -> list[tuple[Arena, list[torch.Tensor]]]:
+        return self.optimizer.packed_params()
+
+    def shard_pieces(self) -> dict[int, tuple[int, int]]:
+        """Where this rank's shards cut each parameter (stages 1, 2; stage 0: empty)."""
+        return self.optimizer.shard_pieces()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.optimizer.state_tensors()  # this rank's flat state buffers and scratch
 
     def state_bytes(self) -> int:
         return self.optimizer.state_bytes()  # optimizer state (and scratch) this rank holds
 
     @torch.no_grad()
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's layout with the full state, every rank's pieces gathered: a collective
-        (save_sharded writes each rank's pieces without it)."""
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """torch.optim's layout with the full state, every rank's pieces gathered: a collective.
+        ``copy=False``: the inner optimizer's views instead, no collective: stages 1 and 2 hand
+        this rank's pieces and ``"pieces"`` (what save_sharded writes from)."""
         self.wait_parameters()  # (the state is not the parameters, but a checkpoint reads both)
-        sd = self.optimizer.state_dict()
-        if self.stage == 0:
+        sd = self.optimizer.state_dict(copy=copy)
+        if self.stage == 0 or not copy:
             return sd
         pieces = sd.pop("pieces")
         params = [p for g in self.param_groups for p in g["params"]]

@@ -48,6 +48,7 @@ import torch
 
 from kiln import hardware
 from kiln.errors import KilnWarning
+from kiln.optim import Arena, KilnOptimizer, arena_missing, has_arena, local_tensor, no_arena_setting
 
 MODES = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64")
 _LOW = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -106,15 +107,14 @@ def warn_if_emulated(mode: str, device: torch.device | str) -> None:
 
 
 def gradient_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors that hold ``optimizer``'s gradients: the arena's flat gradient buffers when
-    the optimizer has them (so a check over all gradients is one reduction per buffer), else
-    every parameter's ``.grad`` (the local shard of a DTensor's)."""
-    flat = getattr(optimizer, "flat_grads", None)
-    grads = list(flat()) if callable(flat) else [p.grad for group in optimizer.param_groups
-                                                 for p in group["params"] if p.grad is not None]
-    # DTensor gradients (FSDP2, tensor parallel): their local shards, checked and unscaled in
-    # place; the non-finite flag is then OR-ed over all ranks (LossScaler.unscale_).
-    return [getattr(g, "_local_tensor", g) for g in grads]
+    """The tensors that hold ``optimizer``'s gradients: a kiln optimizer's
+    :meth:`~kiln.optim.KilnOptimizer.flat_grads` (the arena's flat buffers, so a check over all
+    gradients is one reduction per buffer), else every parameter's ``.grad``. DTensor gradients
+    (FSDP2, tensor parallel) as their local shards, checked and unscaled in place; the
+    non-finite flag is then OR-ed over all ranks (LossScaler.unscale_)."""
+    if isinstance(optimizer, KilnOptimizer):
+        return optimizer.flat_grads()
+    return [local_tensor(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 class LossScaler:
@@ -222,12 +222,10 @@ class MasterWeights:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype = torch.bfloat16):
-        from kiln.optim import Arena, ArenaOptimizer
-
-        if not isinstance(optimizer, ArenaOptimizer) or not optimizer.contiguous:
-            raise ValueError("bf16-true needs one of kiln's optimizers with contiguous=True (optim.contiguous=true)")
-        self.optimizer = optimizer  # holds the fp32 master arenas
-        self.stepper: torch.optim.Optimizer = optimizer  # steps them: the optimizer, or ZeRO around it
+        if not has_arena(optimizer):
+            raise ValueError(arena_missing("bf16-true", *no_arena_setting(optimizer)))
+        self.optimizer: KilnOptimizer = optimizer  # holds the fp32 master arenas
+        self.stepper: KilnOptimizer = optimizer  # steps them: the optimizer, or ZeRO around it
         self.pairs: list[tuple[Any, Any]] = []  # (fp32 master arena, bf16 model arena)
         replace: dict[int, torch.nn.Parameter] = {}
         with torch.no_grad():
@@ -251,9 +249,7 @@ class MasterWeights:
         _cast_floating(model, dtype)  # frozen parameters and buffers; the bf16 parameters stay where they are
 
     def grads_to_master(self) -> None:
-        materialize = getattr(self.stepper, "materialize_grads", None)
-        if materialize is not None:
-            materialize()  # ZeRO-2 frees the full master gradient between steps
+        self.stepper.materialize_grads()  # ZeRO-2 frees the full master gradient between steps
         for master, low in self.pairs:
             master.grad.copy_(low.grad)  # one cast-copy per arena
         self.stepper.mark_grads_ready()

@@ -17,13 +17,17 @@ from typing import Any, Iterator
 
 import torch
 
+from kiln.optim import KilnOptimizer, local_tensor
+
 __all__ = ["TensorMemory", "live_tensor_bytes"]
 
 STEPS = 2  # steps measured at the start of each process
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors a model or optimizer holds (a DTensor's local shard)."""
+    """The tensors a model or optimizer holds: a kiln optimizer's (wrapped by ZeRO or not)
+    flat gradient, state and scratch buffers besides the views of them its parameters and
+    state hold (a torch optimizer's parameters, gradients and state alone)."""
     if isinstance(obj, torch.nn.Module):
         for p in obj.parameters():
             yield p
@@ -31,31 +35,25 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
                 yield p.grad
         yield from obj.buffers()
         return
-    inner = getattr(obj, "optimizer", None)  # a ZeRO wrapper
-    opt = inner if isinstance(inner, torch.optim.Optimizer) else obj
-    for group in opt.param_groups:
+    for group in obj.param_groups:
         for p in group["params"]:
             yield p
             if p.grad is not None:
                 yield p.grad
-    for st in opt.state.values():
+    for st in obj.state.values():
         yield from (v for v in st.values() if torch.is_tensor(v))
-    packing = getattr(opt, "packing", None)  # kiln's arenas: scratch and shard buffers too
-    if packing is not None:
-        sharding = getattr(opt, "sharding", None)
-        for pack in [*packing.packs, *(sharding.packs if sharding is not None else [])]:
-            yield pack.arena.grad
-            yield from pack.state.values()
-            if pack.scratch is not None:
-                yield pack.scratch
+    if isinstance(obj, KilnOptimizer):
+        yield from obj.grad_buffers()
+        yield from obj.state_tensors()
 
 
 def live_tensor_bytes(*holders: Any) -> int:
-    """Bytes of the distinct storages behind the tensors of ``holders`` (models, optimizers)."""
+    """Bytes of the distinct storages behind the tensors of ``holders`` (models, optimizers;
+    a DTensor: its local shard's)."""
     seen: dict[tuple[str, int], int] = {}
     for holder in holders:
         for t in _tensors(holder):
-            t = getattr(t, "_local_tensor", t)
+            t = local_tensor(t)
             st = t.untyped_storage()
             if t.device.type != "meta" and st.nbytes():
                 seen[(str(t.device), st.data_ptr())] = st.nbytes()
