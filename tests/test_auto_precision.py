@@ -4,6 +4,7 @@ native bf16), by rule elsewhere; recorded in the run directory and reproduced on
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,9 +74,11 @@ def test_rules_where_nothing_is_measured(monkeypatch):
     choice = ap.choose_for_model(model, lambda: model(x).sum(), "cpu", cache=False)
     assert (choice.mode, choice.how) == ("fp32", "rule") and "emulated" in choice.line()
     monkeypatch.setattr(kiln.hardware, "native_low_precision", lambda device, dtype: True)
-    assert (ap.rule("cuda").mode, ap.rule("cuda").how) == ("bf16-mixed", "rule")  # an Ampere+ GPU
+    # an Ampere+ GPU: bf16-mixed by rule where the model is sharded over GPUs; measured where one holds it
+    assert (ap.rule("cuda").mode, ap.rule("cuda").how) == ("bf16-mixed", "rule")
+    assert ap.rule("cuda", whole_model=True) is None
     monkeypatch.setattr(kiln.hardware, "native_low_precision", lambda device, dtype: False)
-    assert ap.rule("cuda").mode == "fp32"  # a V100
+    assert ap.rule("cuda").mode == ap.rule("cuda", whole_model=True).mode == "fp32"  # a V100
     assert ap.rule("cpu").mode == "fp32"
 
 
@@ -212,3 +215,25 @@ def test_rank_0_measures_and_every_rank_trains_its_choice(tmp_path):
     assert auto["how"] == "measured" and summary["precision"] == auto["mode"] == ap.decide(auto["ms"])
     assert out.stdout.count("train.precision=auto -> ") == 1  # rank 0 says it, once
     assert load_config(run / "config.yaml").train.precision == auto["mode"]
+
+
+def test_a_mode_that_runs_out_of_memory_loses_and_both_out_of_memory_is_an_error():
+    """A model sized to fit a GPU in bf16 may not fit in fp32: that mode's first pass runs out of
+    memory, and the other is chosen without timing it further; out of memory in both, the error."""
+    after = []
+
+    def forward(fail: set[str]):
+        def run():
+            mode = "bf16-mixed" if torch.is_autocast_enabled("cpu") else "fp32"
+            if mode in fail:
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+            return torch.ones(2, requires_grad=True).sum()
+        return run
+
+    times = ap.measure(forward({"fp32"}), "cpu", after=lambda: after.append(1))
+    assert math.isinf(times["fp32"][0]) and len(times["bf16-mixed"]) == 1 and len(after) == 2
+    assert ap.decide({m: v[0] for m, v in times.items()}) == "bf16-mixed"
+    times = ap.measure(forward({"bf16-mixed"}), "cpu")
+    assert ap.decide({m: v[0] for m, v in times.items()}) == "fp32"
+    with pytest.raises(torch.OutOfMemoryError, match="every mode"):
+        ap.measure(forward({"fp32", "bf16-mixed"}), "cpu")

@@ -71,6 +71,101 @@ def test_the_chunked_loss_and_gradients_are_those_of_whole_logits(monkeypatch, d
         _close(a, r, dtype)
 
 
+def _fused_on_cpu(monkeypatch, kernel) -> list[int]:
+    """The GPU's fused chunk path taken on this CPU, with ``kernel`` as its compiled function;
+    returns a list that grows by one each chunk the kernel computes."""
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(chunked, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(chunked, "_COMPILED", [counted])
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_gpu_s_fused_chunk_gives_the_loss_and_gradients_of_whole_logits(monkeypatch, dtype):
+    """The function a GPU compiles for each chunk (softmax, loss and gradient in one), run eagerly
+    here, over chunks with padded rows and a bias: whole logits' loss and gradients."""
+    _small_chunks(monkeypatch)
+    calls = _fused_on_cpu(monkeypatch, chunked._softmax_grad)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(70, 24, dtype=dtype, generator=g).requires_grad_()
+    w = (torch.randn(300, 24, dtype=dtype, generator=g) * 0.3).requires_grad_()
+    b = (torch.randn(300, dtype=dtype, generator=g) * 0.3).requires_grad_()
+    y = torch.randint(300, (70,), generator=g)
+    y[::3] = -100
+    y[16:32] = -100
+    got = chunked_cross_entropy(h, w, b, y)
+    got_grads = torch.autograd.grad(got * 3, (h, w, b))
+    ref = F.cross_entropy(F.linear(h, w, b), y)
+    ref_grads = torch.autograd.grad(ref * 3, (h, w, b))
+    assert len(calls) == 5 and got.dtype == dtype  # 70 rows in chunks of 16
+    _close(got, ref, dtype)
+    for a, r in zip(got_grads, ref_grads):
+        _close(a, r, dtype)
+
+
+def test_the_fused_chunk_is_left_under_a_dispatch_mode_and_under_bf16_matches_the_eager_chunks(monkeypatch):
+    """Under a dispatch mode (the first step's FLOP count) the eager chunk path runs: dynamo
+    meeting the mode would compile its handler instead. Under bf16 autocast the fused function
+    gives the eager chunks' loss and gradients (the same bf16 products, softmax in fp32)."""
+    from kiln.hardware.flops import CountFlops
+
+    _small_chunks(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(64, 32, generator=g).requires_grad_()
+    w = (torch.randn(200, 32, generator=g) * 0.2).requires_grad_()
+    y = torch.randint(200, (64,), generator=g)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = chunked_cross_entropy(h, w, None, y)
+        return loss, torch.autograd.grad(loss, (h, w))
+
+    eager_loss, eager_grads = run()
+    calls = _fused_on_cpu(monkeypatch, chunked._softmax_grad)
+    with CountFlops() as counted:
+        counted_loss, _ = run()
+    assert calls == [] and counted.total > 0 and torch.equal(counted_loss, eager_loss)
+    fused_loss, fused_grads = run()
+    assert len(calls) == 4
+    assert abs(fused_loss - eager_loss) < 1e-6
+    for a, r in zip(fused_grads, eager_grads):
+        assert (a - r).abs().max() / r.abs().max() < 1e-2  # (bf16 gradients of the logits, rounded apart)
+
+
+def test_a_gpu_s_chunks_are_large_and_even():
+    assert chunked.chunk_rows(50304) == 640  # a CPU's: 123 MiB of fp32 logits
+    assert chunked.chunk_rows(50304, 16384, "cuda") == 4096  # GPT-2 small's 16 x 1024: 4 chunks, not 26
+    assert chunked.chunk_rows(50304, 5000, "cuda") == 5000  # under CUDA_CHUNK_BYTES: one chunk
+    assert chunked.chunk_rows(128256, 16384, "cuda") == 2048  # Llama 3's vocabulary: 8 of 2048
+
+
+@pytest.mark.e2e
+def test_the_fused_chunk_compiled_by_inductor_matches_the_eager_chunks(monkeypatch):
+    """The compiled kernel itself (inductor's C++ here, Triton on a GPU), shapes dynamic: one
+    compile serves chunks of 16 rows and the last of 6."""
+    _small_chunks(monkeypatch)
+    calls = _fused_on_cpu(monkeypatch, torch.compile(chunked._softmax_grad, dynamic=True))
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(70, 24, generator=g).requires_grad_()
+    w = (torch.randn(300, 24, generator=g) * 0.3).requires_grad_()
+    y = torch.randint(300, (70,), generator=g)
+    y[::5] = -100
+    got = chunked_cross_entropy(h, w, None, y)
+    got_grads = torch.autograd.grad(got, (h, w))
+    ref = F.cross_entropy(F.linear(h, w), y)
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    assert len(calls) == 5
+    _close(got, ref, torch.float32)
+    for a, r in zip(got_grads, ref_grads):
+        assert (a - r).abs().max() / r.abs().max() < 1e-5
+    torch._dynamo.reset()
+
+
 def test_evaluation_sums_loss_and_accuracy_with_ties_to_the_lowest_id(monkeypatch):
     _small_chunks(monkeypatch)
     g = torch.Generator().manual_seed(1)

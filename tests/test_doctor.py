@@ -75,7 +75,7 @@ def test_the_report_says_what_this_machine_has(monkeypatch):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert report["auto_precision"] == {"device": device, "mode": resolve("auto", device),
-                                        "how": "rule" if rule(device) else "measured"}
+                                        "how": "rule" if rule(device, whole_model=True) else "measured"}
     assert report["distributed"]["gloo"]["ok"] is True  # a one-process group and an all-reduce ran
     assert report["distributed"]["nccl"]["ok"] is (True if torch.cuda.is_available() else None)
     assert report["native_kernels"] == {"ok": True}

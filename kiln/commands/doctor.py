@@ -141,12 +141,12 @@ def _cpu() -> dict[str, Any]:
 
 def _auto_precision(device: str) -> dict[str, Any]:
     """``mode``: auto's choice where a rule gives it (``how`` is then ``rule``); where it is
-    timed on each run's model (a CPU with native bf16), ``how`` is ``measured`` and ``mode`` the
-    fp32 it stands at until then."""
+    timed on each run's model (a CPU with native bf16, a GPU with bf16 units holding the whole
+    model, as one process does), ``how`` is ``measured`` and ``mode`` what it stands at until then."""
     from kiln.precision.auto import rule
     from kiln.precision import resolve
 
-    return {"device": device, "mode": resolve("auto", device), "how": "rule" if rule(device) else "measured"}
+    return {"device": device, "mode": resolve("auto", device), "how": "rule" if rule(device, whole_model=True) else "measured"}
 
 
 def _backend(name: str, found: _Findings) -> dict[str, Any]:

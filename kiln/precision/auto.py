@@ -14,9 +14,13 @@ some models several times faster and others slower
 - **CPU that emulates bf16** (AVX2 only, or ``KILN_BF16=emulated``): fp32, not measured. bf16
   cannot win there (a bf16 matmul takes many times the fp32 one), so the measurement would only
   cost seconds (docs/lab/facts.md, 'bf16 on a CPU: where it pays').
-- **GPU**: a rule, not measured: bf16-mixed where the GPU has bf16 units (Ampere and later),
-  fp32 before. On those GPUs bf16 matmuls run on tensor cores at 2-16x fp32's peak, and a
-  model too small to gain loses little.
+- **GPU with bf16 units** (Ampere and later), where the run holds the whole model on each GPU
+  (no FSDP, tensor or pipeline parallelism): measured as on a CPU with native bf16. bf16 matmuls
+  run on tensor cores at 2-16x fp32's peak, but a model whose step is bound by kernel launches
+  only pays autocast's casts: Hugging Face's tiny GPT-2 trained 1.11x the transformers Trainer in
+  fp32 on an H200 and 0.88x in bf16-mixed (docs/lab/gpu.md). A mode that runs out of GPU memory
+  in its first pass has lost. Where the model is sharded, or on a GPU before Ampere: a rule,
+  bf16-mixed (fp32 before Ampere), for one GPU cannot hold the whole model to time it.
 
 The passes run the model eagerly and without activation checkpointing, also where the run
 compiles or checkpoints (compiling both modes would cost more than most runs could gain): a
@@ -41,7 +45,9 @@ chosen and the timings), and a resumed run keeps its checkpoint's mode. Timings 
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
+import math
 import random
 import statistics
 import time
@@ -93,9 +99,9 @@ class AutoChoice:
         return {k: v for k, v in asdict(self).items() if v not in ("", {}, 0)}
 
 
-def rule(device: torch.device | str) -> AutoChoice | None:
+def rule(device: torch.device | str, whole_model: bool = False) -> AutoChoice | None:
     """The mode where no measurement is needed to know it, or None where it must be measured
-    (a CPU with native bf16)."""
+    (a CPU with native bf16; a GPU with bf16 units where each GPU holds the ``whole_model``)."""
     device = torch.device(device)
     native = hardware.native_low_precision(device, torch.bfloat16)
     if device.type == "cpu":
@@ -106,8 +112,11 @@ def rule(device: torch.device | str) -> AutoChoice | None:
         return AutoChoice("fp32", "rule", f"bf16 is emulated on this CPU{by}, several times slower than fp32; "
                                           "not measured")
     if device.type == "cuda":
+        if native and whole_model:
+            return None
         if native:
-            return AutoChoice("bf16-mixed", "rule", "this GPU has bf16 tensor cores (rule: not measured on GPUs)")
+            return AutoChoice("bf16-mixed", "rule", "this GPU has bf16 tensor cores, and the model is sharded over "
+                                                    "GPUs (not measured)")
         return AutoChoice("fp32", "rule", "this GPU has no bf16 tensor cores (before Ampere)")
     return AutoChoice("bf16-mixed" if native else "fp32", "rule", f"rule for {device.type}")
 
@@ -147,7 +156,10 @@ def measure(forward: Callable[[], Any], device: torch.device | str, modes: tuple
 
     # first calls allocate, and oneDNN builds its kernels for the shapes: untimed, except that
     # a mode WARMUP_HOPELESS x slower than the other already is not run again (emulated bf16)
-    first = {mode: timed(mode) for mode in modes}
+    first = {mode: _or_out_of_memory(timed, mode, after) for mode in modes}
+    if all(math.isinf(t) for t in first.values()):
+        raise torch.OutOfMemoryError(f"train.precision=auto: the model ran out of device memory in every mode "
+                                     f"({', '.join(modes)}) while timing them")
     times: dict[str, list[float]] = {m: [] for m in modes}
     live = [m for m in modes if first[m] <= WARMUP_HOPELESS * min(first.values())]
     if len(live) < 2:  # decided: the first passes' times are the figures
@@ -164,10 +176,24 @@ def measure(forward: Callable[[], Any], device: torch.device | str, modes: tuple
     return times
 
 
+def _or_out_of_memory(timed: Callable[[str], float], mode: str, after: Callable[[], None] | None) -> float:
+    """``timed(mode)``, or infinity where the mode runs out of device memory (a model sized to fit
+    in bf16 may not fit in fp32): that mode has lost, and its pass's memory is given back."""
+    try:
+        return timed(mode)
+    except torch.OutOfMemoryError:
+        if after is not None:
+            after()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return math.inf
+
+
 def choose(forward: Callable[[], Any], device: torch.device | str, *, after: Callable[[], None] | None = None,
            key: str | None = None, cache: bool = True) -> AutoChoice:
     """The rule's choice where there is one; else the measured one (cached under ``key``)."""
-    ruled = rule(device)
+    ruled = rule(device, whole_model=True)
     if ruled is not None:
         return ruled
     if cache and key is not None:
@@ -254,7 +280,7 @@ def choose_for_model(model: torch.nn.Module, loss: Callable[[], torch.Tensor], d
     """fp32 or bf16-mixed for training ``model``, where ``loss()`` runs its forward on a real
     batch (``batch``, for the cache's key) and returns the loss; the passes leave the model,
     its gradients and the random state as they were."""
-    ruled = rule(device)
+    ruled = rule(device, whole_model=True)
     if ruled is not None:
         return ruled
     was_training = model.training

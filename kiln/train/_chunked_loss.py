@@ -35,7 +35,10 @@ does for whole logits. The gradient of the logits enters the matmuls unscaled (e
 
 Chunk size (:func:`chunk_rows`): rows such that a chunk's fp32 logits take about
 :data:`CHUNK_BYTES`, and at least :data:`MIN_ROWS` rows, below which the matrix products slow
-down (measured: see the constants). ``train.chunked_lm_loss=auto`` computes whole logits, from
+down (measured: see the constants). On a GPU chunks are larger (:data:`CUDA_CHUNK_BYTES`, made
+even) and each chunk's softmax, loss and gradient are one compiled function
+(:func:`_softmax_grad`: inductor reads the chunk's logits once for the row sums and once for the
+gradient, where the eager path makes ten passes in fp32). ``train.chunked_lm_loss=auto`` computes whole logits, from
 the same hidden states and as the projection would (so small models train bitwise as before),
 for a batch whose logits would take less than :data:`AUTO_MIN_BYTES` (not under tensor
 parallelism), where the chunked path's fixed cost is not repaid. Evaluation (loss and accuracy,
@@ -62,7 +65,7 @@ from torch import nn
 from kiln.errors import ConfigError
 from kiln.train._tasks import IGNORE, loss_from_logits, model_kind, upcast
 
-__all__ = ["AUTO_MIN_BYTES", "CHUNK_BYTES", "ChunkedHead", "apply_chunked_head", "check_chunked_lm_loss", "chunk_rows",
+__all__ = ["AUTO_MIN_BYTES", "CHUNK_BYTES", "CUDA_CHUNK_BYTES", "ChunkedHead", "apply_chunked_head", "check_chunked_lm_loss", "chunk_rows",
            "chunked_cross_entropy", "chunked_eval_sums", "chunked_head_path", "head_path"]
 
 # A chunk's fp32 logits take r x Vl x 4 bytes: about CHUNK_BYTES, and at least MIN_ROWS rows.
@@ -80,10 +83,27 @@ MIN_ROWS = 512
 AUTO_MIN_BYTES = 16 * 2**20
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows of a chunk over ``vocab`` columns: fp32 logits of about :data:`CHUNK_BYTES`, a
-    multiple of 64 rows, at least :data:`MIN_ROWS` (640 rows, 123 MiB at GPT-2's 50304)."""
-    return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab) // 64 * 64)
+# On a GPU a chunk is larger, and its softmax and gradient one compiled kernel (FUSED_DEVICES):
+# each chunk adds a (Vl, C) product into the weight's fp32 gradient, a pass over 150 MB at
+# GPT-2 small's head, and the eager softmax's ten passes over the chunk cost as much as the head's
+# matmuls. With 26 chunks of 640 rows and the eager softmax the loss took 22.8 ms of a 64 ms step
+# of GPT-2 small (16 x 1024) on an H200, whole logits 12 ms (docs/lab/gpu.md).
+CUDA_CHUNK_BYTES = 2**30
+FUSED_DEVICES = {"cuda"}
+
+
+def chunk_rows(vocab: int, rows: int | None = None, device: str = "cpu") -> int:
+    """Rows of a chunk over ``vocab`` columns: fp32 logits of about :data:`CHUNK_BYTES`
+    (:data:`CUDA_CHUNK_BYTES` on a GPU), a multiple of 64 rows, at least :data:`MIN_ROWS` (640
+    rows, 123 MiB at GPT-2's 50304). On a GPU, given the ``rows`` to cover, the chunks are made
+    as even as that allows (16 x 1024 rows at GPT-2's vocabulary: 4 chunks of 4096)."""
+    if device != "cuda":
+        return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab) // 64 * 64)
+    most = max(MIN_ROWS, CUDA_CHUNK_BYTES // (4 * vocab) // 64 * 64)
+    if rows is None or rows <= most:
+        return most if rows is None else max(rows, 1)
+    per = -(-rows // -(-rows // most))  # rows over the fewest chunks of at most `most`
+    return -(-per // 64) * 64
 
 
 def _dtypes(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
@@ -145,11 +165,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             h_mm, w_mm, b_mm = h.to(mm), w.to(mm), b.to(mm) if b is not None else None
             grads = [torch.empty(h.shape, dtype=acc, device=h.device), None, None]  # h, w, b
             loss = torch.zeros((), dtype=acc, device=h.device)
-            step = chunk_rows(w.shape[0])
+            step = chunk_rows(w.shape[0], h.shape[0], h.device.type)
+            fused = _fused_softmax_grad(h, group)
             for s in range(0, h.shape[0], step):
                 rows = slice(s, min(s + step, h.shape[0]))
                 loss += _chunk_forward_backward(h_mm[rows], w_mm, b_mm, col[rows], inside[rows], scored[rows],
-                                                grads, rows, acc, group)
+                                                grads, rows, acc, group, fused)
             if group is not None:
                 dist.all_reduce(grads[0], group=group)  # each shard's part of every row's gradient
             if grads[1] is None:  # (no rows)
@@ -176,19 +197,55 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None
 
 
+def _softmax_grad(logits: torch.Tensor, col: torch.Tensor, inside: torch.Tensor,
+                  scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's (r, V) logits, whole over the vocabulary (no tp): (its summed loss, in fp32 or
+    wider; its logits' gradient, unscaled, in the logits' dtype). The eager path's arithmetic
+    written for inductor, which makes it a reduction and a pointwise pass over the chunk."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    top = x.amax(1)
+    e = torch.exp(x - top[:, None])
+    sums = e.sum(1)
+    target = x.gather(1, col[:, None]).squeeze(1) * inside
+    loss = torch.where(scored, top + sums.log() - target, 0).sum()
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == col[:, None]
+    g = e * torch.where(scored, 1 / sums, 0)[:, None] - (onehot & inside[:, None]).to(x.dtype)
+    return loss, g.to(logits.dtype)
+
+
+_COMPILED: list[Any] = []
+
+
+def _fused_softmax_grad(h: torch.Tensor, group: Any) -> Any:
+    """:func:`_softmax_grad` compiled (once a process, shapes dynamic), where it runs: on the
+    :data:`FUSED_DEVICES`, whole over the vocabulary, and outside a dispatch mode (the FLOP count,
+    kiln plan's trace: dynamo meeting one compiles the mode's handler instead); else None, and
+    the chunk takes the eager path."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if h.device.type not in FUSED_DEVICES or group is not None or _get_current_dispatch_mode() is not None:
+        return None
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_softmax_grad, dynamic=True))
+    return _COMPILED[0]
+
+
 def _chunk_forward_backward(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, col: torch.Tensor,
                             inside: torch.Tensor, scored: torch.Tensor, grads: list[Any], rows: slice,
-                            acc: torch.dtype, group: Any) -> torch.Tensor:
+                            acc: torch.dtype, group: Any, fused: Any = None) -> torch.Tensor:
     """One chunk of (r, C) rows ``h``: its summed loss; its logits' gradient (unscaled: softmax -
     onehot, 0 on rows not scored) multiplied into ``grads`` (the hidden state's rows ``rows``,
-    added to the weight's and the bias's)."""
-    logits = _logits(h, w, b).to(acc)  # (r, Vl)
-    top, sums, target = _chunk_softmax(logits, col, inside, group)
-    loss = torch.where(scored, top + sums.log() - target, 0).sum()  # (no boolean index: no host sync)
-    logits.mul_(torch.where(scored, 1 / sums, 0)[:, None])  # the softmax; 0 on rows not scored
-    logits.scatter_add_(1, col[:, None], -inside[:, None].to(acc))
-    g = logits.to(w.dtype)
-    del logits
+    added to the weight's and the bias's). ``fused``: :func:`_fused_softmax_grad`'s kernel."""
+    if fused is not None:
+        loss, g = fused(_logits(h, w, b), col, inside, scored)
+    else:
+        logits = _logits(h, w, b).to(acc)  # (r, Vl)
+        top, sums, target = _chunk_softmax(logits, col, inside, group)
+        loss = torch.where(scored, top + sums.log() - target, 0).sum()  # (no boolean index: no host sync)
+        logits.mul_(torch.where(scored, 1 / sums, 0)[:, None])  # the softmax; 0 on rows not scored
+        logits.scatter_add_(1, col[:, None], -inside[:, None].to(acc))
+        g = logits.to(w.dtype)
+        del logits
     if g.dtype == acc:
         torch.mm(g, w, out=grads[0][rows])
     else:
@@ -265,7 +322,7 @@ def chunked_eval_sums(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     loss = torch.zeros((), dtype=acc, device=h.device)
     correct = torch.zeros((), dtype=torch.long, device=h.device)
     h_mm, w_mm, b_mm = h.to(mm), w.to(mm), b.to(mm) if b is not None else None
-    step = chunk_rows(w.shape[0])
+    step = chunk_rows(w.shape[0], h.shape[0], h.device.type)
     for s in range(0, h.shape[0], step):
         e = min(s + step, h.shape[0])
         with torch.autocast(h.device.type, enabled=False):  # (the dtypes are chosen above)

@@ -14,6 +14,7 @@ makes this the hardware FLOPs utilization where checkpointing is on.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -55,7 +56,9 @@ class Mfu:
 
     @contextlib.contextmanager
     def _counted(self, samples: int) -> Iterator[None]:
-        with torch.compiler.set_stance("force_eager"), CountFlops() as counted:
+        # (without dynamo loaded nothing is compiled: no stance to set, and no seconds spent importing it)
+        eager = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else contextlib.nullcontext()
+        with eager, CountFlops() as counted:
             yield
         total = float(counted.total)
         if self.world > 1:

@@ -361,7 +361,7 @@ def _auto_precision(cfg: Any, resumed: Any, model: nn.Module, task: Task, data: 
     if resumed is not None and resumed[1].get("precision", {}).get("mode") in CANDIDATES:
         # never measured again: a resumed run goes on in the mode it trained in
         return AutoChoice(resumed[1]["precision"]["mode"], "checkpoint", f"as {resumed[0].name} trained")
-    ruled = rule(device)
+    ruled = rule(device, whole_model=layout.tp == layout.pp == 1 and cfg.parallel.zero < 3)
     if ruled is not None:  # the same on every rank
         return ruled
     choice = _measure_precision(cfg, model, task, data, layout, device) if rank == 0 else None
