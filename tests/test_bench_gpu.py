@@ -183,28 +183,27 @@ def test_the_gpu_page_is_written_from_a_gpu_and_only_by_a_full_run(tmp_path, mon
     assert docs_seen[0] == h.DOCS.with_name("gpu.md") and docs_seen[1:] == [None, None]
 
 
-@pytest.mark.e2e  # the six benchmarks' quick forms on this CPU, each in its own process: 174-246 s on 2 shared cores
-def test_kiln_bench_gpu_runs_on_a_cpu(tmp_path, capsys):
-    """The script a lent GPU runs first, run here at the CPU's quick sizes."""
+@pytest.mark.e2e  # three of the six benchmarks' quick forms on this CPU, each in its own process: ~60 s
+def test_kiln_bench_gpu_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
+    """The script a lent GPU runs first, run here at the CPU's quick sizes, over three of its
+    benchmarks: one with options of its own on a CPU (encoder-layer), the optimizer and the plan.
+    (All six ran on an H200 on 2026-11-28 in 268 s; each one's quick form has its own test, and
+    the six together took 174-246 s of this CI's 2 cores.)"""
     from kiln.commands import main
 
+    monkeypatch.setattr(gpu, "RUNS", tuple(r for r in gpu.RUNS if r.name in ("encoder-layer", "optimizer", "plan")))
     page = h.DOCS.with_name("gpu.md")
     before = page.read_text()
     assert main(["bench", "gpu", "--device", "cpu", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu.json").read_text())
     status = {r["benchmark"]: r["status"] for r in report["runs"]}
-    assert list(status) == ["lm", "vit", "encoder-layer", "hf", "optimizer", "plan"]
-    assert status["lm"] == ("ok" if "lm" in BENCHMARKS else "not available")
-    assert {k: v for k, v in status.items() if k != "lm"} == dict.fromkeys(list(status)[1:], "ok"), report["runs"]
+    assert status == {"encoder-layer": "ok", "optimizer": "ok", "plan": "ok"}, report["runs"]
     runs = {r["benchmark"]: r for r in report["runs"]}
-    vit = runs["vit"]["report"]
-    assert vit["setup"]["processes"] == 1 and vit["rows"][2]["skipped"].startswith("not applicable on one device")
     assert runs["encoder-layer"]["report"]["setup"]["hidden"] == 64  # the GPU's 1024 is not for this CPU
     for name in status:
-        if status[name] == "ok":
-            assert (tmp_path / name / f"{name}.json").exists()
-            assert runs[name]["report"]["machine"]["cpu"] == report["machine"]["cpu"]
-    assert "[gpu 6/6, " in printed and "] plan: ok in " in printed and "\n  | " in printed
+        assert (tmp_path / name / f"{name}.json").exists()
+        assert runs[name]["report"]["machine"]["cpu"] == report["machine"]["cpu"]
+    assert "[gpu 3/3, " in printed and "] plan: ok in " in printed and "\n  | " in printed
     assert report["total_s"] < gpu.BUDGET_S["cpu"]
     assert page.read_text() == before
