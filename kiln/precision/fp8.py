@@ -1,0 +1,130 @@
+"""``train.precision=fp8``: the model's linear layers trained in float8, through torchao.
+
+Everything of bf16-mixed stays (the forward under ``torch.autocast(bfloat16)``; parameters,
+gradients and optimizer state in float32); on top of it :func:`apply_fp8` swaps the model's
+``nn.Linear`` modules for torchao's ``Float8Linear`` with the ``rowwise`` recipe
+(``Float8LinearConfig.from_recipe_name("rowwise")``): each matmul of the forward and backward
+casts its two operands to float8 (e4m3) with one scale per row, computed from the row's largest
+magnitude and rounded down to a power of two, and multiplies them with ``torch._scaled_mm``
+(CUTLASS's rowwise kernel on the GPU) into bf16. The float32 weights stay the parameters: what
+backward saves is the bf16 input and the weight as bf16-mixed has them, and the float8 copies and
+their scales live only for the matmul that reads them. Under FSDP2 and tensor parallelism the
+weights travel in high precision, as torchtitan's rowwise float8 does.
+
+It needs a GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell) and
+torchao (``pip install 'kiln[fp8]'``); elsewhere the config is refused before anything is built
+(:func:`kiln.hardware.fp8_problem`).
+
+Which linears stay in bf16, as torchtitan's float8 converter leaves them:
+
+- a dimension not divisible by 16: ``torch._scaled_mm`` multiplies only multiples of 16 (the
+  tokens of a micro-batch, the inner dimension of the weight gradient's matmul, must be one
+  too: B x T of a language model almost always is);
+- the model's output projection (the family plan's ``output``, ``get_output_embeddings()``, or a
+  linear whose weight is an embedding's): its logits go straight into the loss, and torchtitan
+  keeps it out (``filter_fqns=["output"]``);
+- the paths given as ``skip``.
+
+Module and parameter names do not change (``Float8Linear`` subclasses ``nn.Linear`` and keeps
+the very ``weight`` and ``bias`` parameters), so a checkpoint loads into either model.
+
+At small widths float8 may not pay: each matmul adds the casts (a pass over the input and the
+weight), and torchao measured rowwise float8 slower than bf16 on an H100 below about
+K = 1024 and N = 2048 (``torchao.float8._auto_filter_for_recipe``). ``train.compile=true``
+fuses the casts into neighbouring kernels, as torchtitan runs float8.
+
+    >>> import torch
+    >>> from kiln.models import create_model
+    >>> with torch.device("meta"):
+    ...     model = create_model("gpt", vocab_size=512, dim=64, depth=1, heads=2, seq_len=32)
+    >>> layers = apply_fp8(model)
+    >>> layers.converted
+    ['blocks.0.attn.wq', 'blocks.0.attn.wk', 'blocks.0.attn.wv', 'blocks.0.attn.wo', 'blocks.0.mlp.fc1', 'blocks.0.mlp.fc2']
+    >>> layers.skipped
+    {'head.out': 'the output projection'}
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from kiln.errors import KilnWarning
+
+__all__ = ["Fp8Layers", "apply_fp8", "fp8_skips"]
+
+RECIPE = "rowwise"
+ALIGN = 16  # torch._scaled_mm multiplies matrices whose dimensions are multiples of 16
+
+
+@dataclass
+class Fp8Layers:
+    """What :func:`apply_fp8` did: the linears now in float8, and each one left in bf16 with why."""
+
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _output_projections(model: nn.Module) -> set[str]:
+    """The paths of ``model``'s output projection: its family plan's ``output``, the module
+    ``get_output_embeddings()`` returns (a transformers model), and any linear whose weight is an
+    embedding's (tied embeddings)."""
+    from kiln.models import find_plan
+
+    plan = find_plan(model)
+    found = {plan.output} if plan is not None and plan.output else set()
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (module is out or id(module.weight) in embedded):
+            found.add(name)
+    return found
+
+
+def fp8_skips(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, str]:
+    """Each ``nn.Linear`` of ``model`` that stays in bf16 under fp8, with why (see the module's
+    docstring); every other linear is converted."""
+    outputs, skip = _output_projections(model), set(skip)
+    reasons = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name in skip:
+            reasons[name] = "skipped by name"
+        elif name in outputs:
+            reasons[name] = "the output projection"
+        elif module.in_features % ALIGN or module.out_features % ALIGN:
+            reasons[name] = (f"{module.in_features} -> {module.out_features} features: float8 matmuls need "
+                             f"multiples of {ALIGN}")
+    return reasons
+
+
+def apply_fp8(model: nn.Module, *, skip: Iterable[str] = ()) -> Fp8Layers:
+    """Swap ``model``'s linear layers for torchao's ``Float8Linear`` (rowwise recipe), in place;
+    the output projection, linears with a dimension not divisible by 16 and the paths in ``skip``
+    stay ``nn.Linear``. Apply it before the model is split into pipeline stages, sharded or
+    compiled (kiln applies it where the model is laid out), on any device, ``meta`` included.
+    Returns which linears were converted and which were not, with why."""
+    import torch._inductor.config
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # (seconds to import)
+
+    skipped = fp8_skips(model, skip)
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if "" in linears:
+        raise ValueError("apply_fp8 converts the linear layers inside a model in place; the model itself is an "
+                         "nn.Linear: wrap it in a module")
+    # Compiled rowwise float8 under activation checkpointing recomputed its scales with other
+    # roundings than the forward had (pytorch/pytorch#150859); torchtitan sets this for rowwise too.
+    torch._inductor.config.emulate_precision_casts = True
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(RECIPE),
+                               module_filter_fn=lambda module, fqn: fqn not in skipped)
+    layers = Fp8Layers([name for name in linears if name not in skipped], skipped)
+    if not layers.converted:
+        warnings.warn(f"train.precision=fp8 found no linear layer to train in float8 among {len(linears)} "
+                      f"({'; '.join(f'{n}: {r}' for n, r in list(skipped.items())[:3]) or 'no nn.Linear'}): the "
+                      "run is bf16-mixed; use train.precision=bf16-mixed", KilnWarning, stacklevel=2)
+    return layers
