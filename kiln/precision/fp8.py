@@ -25,6 +25,16 @@ Which linears stay in bf16, as torchtitan's float8 converter leaves them:
   keeps it out (``filter_fqns=["output"]``);
 - the paths given as ``skip``.
 
+What fp8 holds in memory (:func:`fp8_memory`, the figure ``kiln plan`` adds to its model): no
+state between steps (the scales are computed afresh from each tensor, no amax history), and during
+a step the float8 operands of the matmul that runs: the largest is a layer's backward, of K -> N
+features over M tokens, holding the gradient of its output twice (scaled by row, then by column:
+2MN bytes), the weight (KN) and the input (MK) in float8, and one float32 scale per row of each
+(4(M + N + 2K) bytes). Eager, a cast also makes up to two high-precision temporaries of the tensor
+it casts (|x| for the scale, x times the scale); compiled, they fuse away. Against bf16-mixed it
+also saves memory: autocast casts each weight to a bf16 copy that the matmul keeps for backward,
+while a float8 linear keeps the float32 parameter itself (2 bytes a weight less, each forward).
+
 Module and parameter names do not change (``Float8Linear`` subclasses ``nn.Linear`` and keeps
 the very ``weight`` and ``bias`` parameters), so a checkpoint loads into either model.
 
@@ -54,7 +64,7 @@ from torch import nn
 
 from kiln.errors import KilnWarning
 
-__all__ = ["Fp8Layers", "apply_fp8", "fp8_skips"]
+__all__ = ["Fp8Layers", "Fp8Memory", "apply_fp8", "fp8_memory", "fp8_skips"]
 
 RECIPE = "rowwise"
 ALIGN = 16  # torch._scaled_mm multiplies matrices whose dimensions are multiples of 16
@@ -101,6 +111,39 @@ def fp8_skips(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, str]:
             reasons[name] = (f"{module.in_features} -> {module.out_features} features: float8 matmuls need "
                              f"multiples of {ALIGN}")
     return reasons
+
+
+@dataclass
+class Fp8Memory:
+    """What fp8 adds to a step's memory and what it saves, in bytes (see the module's docstring)."""
+
+    casts: int  # the float8 operands and scales the largest layer's backward holds at once
+    layer: str  # that layer
+    saved: int  # the bf16 weight copies bf16-mixed keeps for backward and fp8 does not
+    tokens: int  # M: the rows a linear multiplies (the micro-batch's tokens)
+
+
+def fp8_memory(model: nn.Module, tokens: int, skip: Iterable[str] = ()) -> Fp8Memory:
+    """The float8 casts and scales of ``model``'s converted linears (before or after
+    :func:`apply_fp8`; on the meta device too) when they multiply ``tokens`` rows, against
+    bf16-mixed: the most held at once (the largest layer's backward: 2MN + KN + MK bytes of float8
+    and 4(M + N + 2K) of float32 scales), and the bf16 weight copies not kept. Compiled, this is
+    the whole of it; eager, a cast's temporaries come on top while it runs.
+
+    >>> fp8_memory(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), tokens=2048).casts
+    1205760
+    """
+    skipped = fp8_skips(model, skip)
+    casts, layer, saved, m = 0, "", 0, tokens
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name in skipped:
+            continue
+        k, n = module.in_features, module.out_features
+        held = 2 * m * n + k * n + m * k + 4 * (m + n + 2 * k)
+        if held > casts:
+            casts, layer = held, name
+        saved += 2 * k * n
+    return Fp8Memory(casts, layer, saved, tokens)
 
 
 def apply_fp8(model: nn.Module, *, skip: Iterable[str] = ()) -> Fp8Layers:
