@@ -79,19 +79,24 @@ class Fp8Layers:
 
 
 def _output_projections(model: nn.Module) -> set[str]:
-    """The paths of ``model``'s output projection: its family plan's ``output``, the module
-    ``get_output_embeddings()`` returns (a transformers model), and any linear whose weight is an
-    embedding's (tied embeddings)."""
+    """The paths of the output projections in ``model``: the family plan's ``output`` of it or of
+    any module inside it (a user's module around kiln's GPT), what ``get_output_embeddings()``
+    returns (transformers models), and any linear whose weight is an embedding's (tied)."""
     from kiln.models import find_plan
 
-    plan = find_plan(model)
-    found = {plan.output} if plan is not None and plan.output else set()
-    get = getattr(model, "get_output_embeddings", None)
-    out = get() if callable(get) else None
+    found = set()
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and (module is out or id(module.weight) in embedded):
-            found.add(name)
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        plan = find_plan(module)
+        if plan is not None and plan.output:
+            found.add(prefix + plan.output)
+        get = getattr(module, "get_output_embeddings", None)
+        out = get() if callable(get) else None
+        if isinstance(out, nn.Linear):
+            found.update(f"{prefix}{name}".rstrip(".") for name, m in module.named_modules() if m is out)
+        if isinstance(module, nn.Linear) and id(module.weight) in embedded:
+            found.add(path)
     return found
 
 
