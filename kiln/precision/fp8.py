@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from kiln.errors import KilnWarning
+from kiln.models import find_plan
 
 __all__ = ["Fp8Layers", "Fp8Memory", "apply_fp8", "fp8_memory", "fp8_skips"]
 
@@ -82,8 +83,6 @@ def _output_projections(model: nn.Module) -> set[str]:
     """The paths of the output projections in ``model``: the family plan's ``output`` of it or of
     any module inside it (a user's module around kiln's GPT), what ``get_output_embeddings()``
     returns (transformers models), and any linear whose weight is an embedding's (tied)."""
-    from kiln.models import find_plan
-
     found = set()
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for path, module in model.named_modules():
