@@ -286,14 +286,14 @@ def test_the_doctor_says_whether_fp8_can_train_here(monkeypatch):
 # --------------------------------------------------------------------------- the GPU (device tier)
 
 
-def _fp8_gpu() -> None:
-    from conftest import NO_CUDA
-
-    if not torch.cuda.is_available():
-        pytest.skip(NO_CUDA)
-    problem = hardware.fp8_problem("cuda")
+@pytest.fixture
+def fp8_gpu(cuda) -> torch.device:
+    """A GPU fp8 trains on (conftest's ``cuda`` skips without one); else skipped with the line a
+    config asking for fp8 is refused with (compute capability below 8.9, no torchao)."""
+    problem = hardware.fp8_problem(cuda)
     if problem is not None:
         pytest.skip(problem)
+    return cuda
 
 
 # fp8 against bf16-mixed on gpt_tiny, 300 steps: the eval loss within this many nats (e4m3's
@@ -302,8 +302,7 @@ EVAL_LOSS_TOLERANCE = 0.05
 
 
 @pytest.mark.gpu
-def test_fp8_trains_gpt_tiny_as_bf16_mixed_does_on_a_gpu(tmp_path):
-    _fp8_gpu()
+def test_fp8_trains_gpt_tiny_as_bf16_mixed_does_on_a_gpu(fp8_gpu, tmp_path):
     from kiln.train import read_metrics, train
 
     runs = {}
@@ -325,8 +324,7 @@ def test_fp8_trains_gpt_tiny_as_bf16_mixed_does_on_a_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_fp8_layers_are_float8_on_the_gpu_and_match_bf16_to_float8_rounding():
-    _fp8_gpu()
+def test_fp8_layers_are_float8_on_the_gpu_and_match_bf16_to_float8_rounding(fp8_gpu):
     from torchao.float8.float8_linear import Float8Linear
 
     from kiln.precision.fp8 import apply_fp8
