@@ -78,6 +78,10 @@ class Fp8Layers:
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
+    def record(self) -> dict[str, object]:
+        """For summary.json's ``precision_fp8``: how many linears are float8, and each bf16 one with why."""
+        return {"recipe": RECIPE, "float8_linears": len(self.converted), "bf16_linears": self.skipped}
+
 
 def _output_projections(model: nn.Module) -> set[str]:
     """The paths of the output projections in ``model``: the family plan's ``output`` of it or of

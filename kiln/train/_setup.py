@@ -259,6 +259,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
                 kiln_version=__version__, torch_version=torch.__version__, device=str(device),
                 precision=precision.mode, machine=machine_line(), parameters=n_params, total_steps=total_steps,
                 **({"precision_auto": precision.auto.record()} if precision.auto is not None else {}),
+                **({"precision_fp8": precision.fp8.record()} if precision.fp8 is not None else {}),
             )
         elif rank == 0:
             broadcast_path(out.path)
