@@ -7,9 +7,10 @@ gradients and optimizer state in float32); on top of it :func:`apply_fp8` swaps 
 casts its two operands to float8 (e4m3) with one scale per row, computed from the row's largest
 magnitude and rounded down to a power of two, and multiplies them with ``torch._scaled_mm``
 (CUTLASS's rowwise kernel on the GPU) into bf16. The float32 weights stay the parameters: what
-backward saves is the bf16 input and the weight as bf16-mixed has them, and the float8 copies and
-their scales live only for the matmul that reads them. Under FSDP2 and tensor parallelism the
-weights travel in high precision, as torchtitan's rowwise float8 does.
+backward saves is the bf16 input and the float32 parameter itself (no bf16 copy of the weight, as
+autocast makes), and the float8 copies and their scales live only for the matmul that reads them.
+Under FSDP2 and tensor parallelism the weights travel in high precision and are cast where they
+are multiplied, as torchtitan's rowwise float8 does (not yet run on GPUs with kiln's layouts).
 
 It needs a GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell) and
 torchao (``pip install 'kiln[fp8]'``); elsewhere the config is refused before anything is built
