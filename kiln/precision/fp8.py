@@ -57,6 +57,7 @@ fuses the casts into neighbouring kernels, as torchtitan runs float8.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -162,7 +163,16 @@ def apply_fp8(model: nn.Module, *, skip: Iterable[str] = ()) -> Fp8Layers:
     compiled (kiln applies it where the model is laid out), on any device, ``meta`` included.
     Returns which linears were converted and which were not, with why."""
     import torch._inductor.config
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # (seconds to import)
+
+    # torchao's import logs a warning for each of its compiled kernels that does not load into this
+    # torch (mxfp8, CUTLASS sm90a): float8 training uses none of them (its matmul is torch._scaled_mm)
+    torchao_log = logging.getLogger("torchao")
+    level = torchao_log.level
+    torchao_log.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # (seconds to import)
+    finally:
+        torchao_log.setLevel(level)
 
     skipped = fp8_skips(model, skip)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
