@@ -35,7 +35,8 @@ def _gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:
 
 def _no_torchao(monkeypatch) -> None:
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, package=None: None if name == "torchao" else find_spec(name, package))
 
 
 # ---------------------------------------------------------------------------------- the refusal
