@@ -28,7 +28,7 @@ __all__ = ["EXTRAS", "Diagnosis", "import_diagnosis", "package_version"]
 # the optional packages kiln uses, and what installs each
 EXTRAS = {"transformers": "kiln[hf]", "safetensors": "kiln[hf]", "datasets": "datasets",
           "tensorboard": "kiln[tensorboard]", "wandb": "kiln[wandb]", "mlflow": "kiln[mlflow]",
-          "accelerate": "kiln[bench]"}
+          "accelerate": "kiln[bench]", "torchao": "kiln[fp8]"}
 
 _MISSING_OPERATOR = re.compile(r"operator (\w+)::(\w+) does not exist")
 _UNDEFINED_SYMBOL = re.compile(r"site-packages/(\w+)/\S*\.so\S*: undefined symbol")

@@ -28,7 +28,12 @@ def test_bench_lm_quick_rows_are_the_same_training(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_BF16", "emulated")  # train.precision=auto is then fp32 in every row, on any CPU
     report = run_benchmark("lm", tmp_path, quick=True)
     rows = {r["run"]: r for r in report["rows"]}
-    assert list(rows) == ["plain loop", "kiln", "kiln compile"]
+    assert list(rows) == ["plain loop", "kiln", "kiln compile", "kiln fp8", "kiln fp8 compile"]
+    for name in ("kiln fp8", "kiln fp8 compile"):  # float8 needs a GPU of compute capability 8.9+
+        fp8 = rows.pop(name)
+        assert fp8["tokens_per_s"] is None and "no CUDA GPU" in fp8["not_run"] and "kiln[fp8]" in fp8["not_run"]
+    assert report["fp8_speedup"] == {} and report["fp8_not_run"] == fp8["not_run"]
+    assert "not run: train.precision=fp8 needs" in (tmp_path / "lm.txt").read_text()
     for name, row in rows.items():
         assert row["precision"] == "fp32", name
         assert row["tokens_per_s"] > 0 and row["tensor_peak_mb"] > 0 and row["process_peak_mb"] > 100, name

@@ -12,7 +12,11 @@ stream), one batch, one number of steps, three rows:
   ``torch.autocast(bfloat16)`` and ``torch.compile``, on a CPU in fp32 and eager. It reads the
   same batches as kiln (kiln's loader over the same data set, same seed);
 - ``kiln``: ``kiln train`` with the config's defaults (``train.precision=auto``);
-- ``kiln compile``: the same with ``train.compile=true``.
+- ``kiln compile``: the same with ``train.compile=true``;
+- ``kiln fp8`` and ``kiln fp8 compile``: ``train.precision=fp8`` (the linears in float8 through
+  torchao, :mod:`kiln.precision.fp8`), eager and compiled: against ``kiln`` and ``kiln compile``
+  in bf16-mixed, what float8 gains. Only on a GPU of compute capability 8.9+ with torchao; elsewhere
+  each is a row that says why it did not run (its figures blank).
 
 Every row runs in a process of its own, so that each has its own peak resident set; the rows
 take turns, round after round, and the medians over rounds are reported. Columns:
@@ -55,7 +59,10 @@ import torch.nn.functional as F
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, sync, target
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt2_small.py"
-ROWS = ("plain loop", "kiln", "kiln compile")
+ROWS = ("plain loop", "kiln", "kiln compile", "kiln fp8", "kiln fp8 compile")
+FP8_ROWS = ("kiln fp8", "kiln fp8 compile")
+ROW_OVERRIDES = {"kiln compile": ["train.compile=true"], "kiln fp8": ["train.precision=fp8"],
+                 "kiln fp8 compile": ["train.precision=fp8", "train.compile=true"]}
 TINY = ["model.dim=64", "model.depth=2", "model.heads=2", "model.vocab_size=512", "model.seq_len=64"]
 
 
@@ -157,7 +164,7 @@ def _row_main(name: str, quick: bool, device: str) -> None:
 
     size = _size(quick, device)
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(CONFIG, _overrides(size, device, out) + (["train.compile=true"] if name == "kiln compile" else []))
+        cfg = load_config(CONFIG, _overrides(size, device, out) + ROW_OVERRIDES.get(name, []))
         t0 = time.perf_counter()
         row = _plain_row(cfg, size, torch.device(device), out) if name == "plain loop" else _kiln_row(cfg, size)
         row.update(process_peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -176,11 +183,15 @@ def _run_row(name: str, quick: bool, device: str) -> dict[str, Any]:
 def measure(quick: bool = False, device: str = "cpu") -> Result:
     from kiln.hardware.flops import peak_flops
 
+    from kiln.hardware import fp8_problem
+
     size = _size(quick, device)
     tokens = size["batch"] * size["seq"]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
+    # the float8 rows where float8 trains: elsewhere, why not (the line its config is refused with)
+    not_run = dict.fromkeys(FP8_ROWS, fp8_problem(device)) if fp8_problem(device) else {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS if name not in not_run}
     for _ in range(size["rounds"]):
-        for name in ROWS:
+        for name in runs:
             runs[name].append(_run_row(name, quick, device))
     flops = next(r["flops_per_step"] for r in runs["kiln"] if r.get("flops_per_step"))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -194,13 +205,16 @@ def measure(quick: bool = False, device: str = "cpu") -> Result:
                      "tensor_peak_mb": median(r["tensor_peak_mb"] for r in rs),
                      "process_peak_mb": median(r["process_peak_mb"] for r in rs),
                      "loss_diff": median(r["first_loss"] - runs["plain loop"][i]["first_loss"] for i, r in enumerate(rs)),
-                     "rounds": [round(tokens / r["seconds_per_step"]) for r in rs]})
+                     "rounds": [round(tokens / r["seconds_per_step"]) for r in rs], "not_run": None})
+    rows += [{"run": name, "precision": "fp8", "tokens_per_s": None, "x_plain": None, "mfu": None,
+              "tensor_peak_mb": None, "process_peak_mb": None, "loss_diff": None, "rounds": [], "not_run": why}
+             for name, why in not_run.items()]
     by = {r["run"]: r for r in rows}
     rss = by["kiln"]["process_peak_mb"] / by["plain loop"]["process_peak_mb"]
     cols = [Col("run", "run"), Col("precision", "precision"), Col("tokens/s", "tokens_per_s", ".0f"),
             Col("x plain", "x_plain", ".2f"), Col("MFU", "mfu", ".1%"), Col("tensor peak MB", "tensor_peak_mb", ".0f"),
             Col("process peak MB", "process_peak_mb", ".0f"), Col("loss diff", "loss_diff", ".1e"),
-            Col("each round", lambda r: ", ".join(map(str, r["rounds"])))]
+            Col("each round", lambda r: ", ".join(map(str, r["rounds"])) or f"not run: {r['not_run']}")]
     where = "CPU" if device == "cpu" else f"GPU {torch.cuda.get_device_name(0)}"
     model = "a 2-layer GPT of width 64 (--quick)" if size["model"] else "GPT-2 small (124 M)"
     title = (f"{model}, B x T = {size['batch']} x {size['seq']}, on the {where}: {size['steps']} steps a row, "
@@ -210,10 +224,15 @@ def measure(quick: bool = False, device: str = "cpu") -> Result:
     if device == "cuda":
         targets["kiln_mfu"] = target(by["kiln"]["mfu"] or 0.0, 0.40, higher=True)
     report = {"device": device, "size": size, "flops_per_step": flops, "peak_flops": peak,
-              "peak_flops_source": peak_source, "rows": rows, "runs": runs, "process_peak_ratio": rss}
-    chart = [Bars(f"tokens/s ({where})", rows, "run", {"x plain": "x_plain"}, "tokens/s, x the plain loop",
+              "peak_flops_source": peak_source, "rows": rows, "runs": runs, "process_peak_ratio": rss,
+              # float8 against bf16-mixed, eager and compiled: tokens/s of kiln fp8 over kiln's
+              "fp8_speedup": {name: by[name]["tokens_per_s"] / by[base]["tokens_per_s"]
+                              for name, base in zip(FP8_ROWS, ("kiln", "kiln compile")) if name not in not_run},
+              "fp8_not_run": next(iter(not_run.values()), None)}
+    ran = [r for r in rows if not r["not_run"]]
+    chart = [Bars(f"tokens/s ({where})", ran, "run", {"x plain": "x_plain"}, "tokens/s, x the plain loop",
                   lines={"plain": 1.0}),
-             Bars("peak memory", rows, "run", {"tensor MB": "tensor_peak_mb", "process MB": "process_peak_mb"}, "MB")]
+             Bars("peak memory", ran, "run", {"tensor MB": "tensor_peak_mb", "process MB": "process_peak_mb"}, "MB")]
     return Result(report, [Table(rows, cols)], title, chart, targets=targets)
 
 

@@ -245,8 +245,8 @@ def _parser() -> argparse.ArgumentParser:
         "doctor", help="check this environment: versions, devices, backends, compile, extras",
         description="Check what kiln finds here, on one screen: kiln's and torch's versions and build (CPU or "
         "CUDA), the CPU's vector units and cores, each GPU (name, memory, compute capability), what computes "
-        "natively (bf16, fp16, fp8) and what train.precision=auto chooses, the distributed backends that work "
-        "(gloo, nccl), whether torch.compile works (a tiny function, compiled and timed) and kiln's native "
+        "natively (bf16, fp16, fp8), what train.precision=auto chooses and whether train.precision=fp8 can "
+        "train here, the distributed backends that work (gloo, nccl), whether torch.compile works (a tiny function, compiled and timed) and kiln's native "
         "optimizer kernels build, and which optional packages are installed and import. Where something kiln "
         "needs is broken it names the problem and the fix, and exits 1.\n\nexamples:\n  kiln doctor\n"
         "  kiln doctor --json > env.json",

@@ -5,11 +5,12 @@ torch.utils.collect_env``, but each line is a check that ran, not a version read
 
 - kiln, Python, torch and its build (CPU, or CUDA and its version);
 - the CPU (model, vector units, cores) and each GPU (name, memory, compute capability);
-- what computes natively (bf16, fp16, fp8), and what ``train.precision=auto`` chooses;
+- what computes natively (bf16, fp16, fp8), what ``train.precision=auto`` chooses, and whether
+  ``train.precision=fp8`` can train here (a GPU of compute capability 8.9+ and torchao);
 - the distributed backends that work (gloo, nccl: a one-process group and an all-reduce);
 - ``torch.compile`` (a tiny function compiled and timed) and kiln's native optimizer kernels;
 - the optional packages (transformers and its models, safetensors, datasets, tensorboard,
-  wandb, mlflow), installed and importing, or not.
+  wandb, mlflow, torchao), installed and importing, or not.
 
 Where something kiln needs is broken (a CUDA torch with no working driver, a torchvision built
 for another torch, transformers that cannot import its models, gloo that does not start), the
@@ -43,7 +44,7 @@ from kiln._version import __version__
 __all__ = ["CHECKED", "collect", "main", "render", "to_json"]
 
 # the optional packages kiln doctor checks (kiln._environment.EXTRAS says what installs each)
-CHECKED = ("transformers", "safetensors", "datasets", "tensorboard", "wandb", "mlflow")
+CHECKED = ("transformers", "safetensors", "datasets", "tensorboard", "wandb", "mlflow", "torchao")
 # a model class that transformers imports lazily: importing it is what fails in a broken environment
 HF_MODEL = "GPT2LMHeadModel"
 
@@ -92,6 +93,7 @@ def _collect(found: _Findings, compile: bool) -> dict[str, Any]:
                                 for name, dtype in hardware.LOW_PRECISION.items()},
                         **{f"cuda:{g['index']}": g["native"] for g in report["gpus"]}}
     report["auto_precision"] = _auto_precision("cuda" if report["gpus"] else "cpu")
+    report["fp8"] = _fp8(report["gpus"])
     report["distributed"] = {"gloo": _backend("gloo", found), "nccl": _backend("nccl", found)}
     devices = ["cpu"] + (["cuda"] if report["gpus"] else [])
     report["compile"] = {d: _compile(d, found) for d in devices} if compile else {"ran": False}
@@ -147,6 +149,14 @@ def _auto_precision(device: str) -> dict[str, Any]:
     from kiln.precision import resolve
 
     return {"device": device, "mode": resolve("auto", device), "how": "rule" if rule(device, whole_model=True) else "measured"}
+
+
+def _fp8(gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether ``train.precision=fp8`` can train here: ``ok`` and the device, or why not (the
+    line a config asking for it is refused with). Not a problem: an optional mode."""
+    device = f"cuda:{gpus[0]['index']}" if gpus else "cpu"
+    lacks = hardware.fp8_lacks(device)
+    return {"ok": not lacks, "device": device, **({"lacks": lacks, "why": hardware.fp8_problem(device)} if lacks else {})}
 
 
 def _backend(name: str, found: _Findings) -> dict[str, Any]:
@@ -282,6 +292,10 @@ def render(report: dict[str, Any]) -> str:
     auto = report["auto_precision"]
     lines.append(("auto", f"train.precision=auto trains in {auto['mode']} on {auto['device']}" if auto["how"] == "rule"
                   else f"train.precision=auto times fp32 and bf16-mixed on each run's model ({auto['device']})"))
+    fp8 = report["fp8"]
+    lines.append(("fp8", f"train.precision=fp8 trains on {fp8['device']}" if fp8["ok"] else
+                  f"train.precision=fp8 cannot train here: {' and '.join(fp8['lacks'])} (it needs a GPU of "
+                  "compute capability 8.9+ and torchao: pip install 'kiln[fp8]')"))
     lines.append(("distributed", ", ".join(f"{name} {_state(r)}" for name, r in report["distributed"].items())))
     comp = report["compile"]
     lines.append(("compile", "not checked (--no-compile)" if comp.get("ran") is False else ", ".join(

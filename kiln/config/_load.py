@@ -583,6 +583,18 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
         from kiln.hardware import check_bf16_override
 
         check_bf16_override()  # KILN_BF16 set to something it does not know: said now, not in every worker
+    if train["precision"] == "fp8":
+        import torch
+
+        from kiln.hardware import fp8_problem
+
+        # the device the run trains on here (train.device=cuda without a GPU here: kiln plan's fake
+        # one, or the run's own refusal when it starts)
+        device = "cuda" if train["device"] == "cuda" or (train["device"] == "auto" and torch.cuda.is_available()) \
+            else "cpu"
+        problem = fp8_problem(device)
+        if problem is not None:
+            raise ConfigError(problem)
     _check_arena(cfg)
     if train["keep_checkpoints"] < 1:
         raise ConfigError(f"train.keep_checkpoints={train['keep_checkpoints']} must be at least 1")

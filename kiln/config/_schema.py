@@ -92,8 +92,10 @@ class TrainConfig:
     # timed on the model at setup; emulated bf16: fp32; a GPU with bf16 units: bf16-mixed) |
     # fp32 | bf16-mixed | fp16-mixed (autocast; fp32 params, grads and optimizer state; fp16
     # with dynamic loss scaling) | bf16-true (bf16 params and activations, fp32 master weights
-    # and optimizer state) | fp64 (for numerical checks). See kiln/precision/__init__.py.
-    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64"] = "auto"
+    # and optimizer state) | fp8 (bf16-mixed, with the model's linear layers in float8 through
+    # torchao's rowwise recipe: an NVIDIA GPU of compute capability 8.9+ and pip install
+    # 'kiln[fp8]') | fp64 (for numerical checks). See kiln/precision/__init__.py.
+    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp8", "fp64"] = "auto"
     accumulate: int = 1  # micro-batches per optimizer step, each data.batch_size / accumulate
     clip_grad_norm: Optional[float] = None  # clip the global gradient norm (after unscaling)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute blocks

@@ -13,6 +13,7 @@ kiln's choices (``train.precision=auto``, the emulation warning), not what the h
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import platform
 from typing import Any
@@ -125,6 +126,37 @@ def native_low_precision(device: torch.device | str, dtype: torch.dtype) -> bool
         caps = cpu_capability()
         return caps["native_bf16"] if dtype == torch.bfloat16 else caps["native_fp16"]
     return dtype == torch.bfloat16  # other accelerators (mps, xpu): assume native
+
+
+FP8_NEEDS = ("train.precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper) and "
+             "torchao (pip install 'kiln[fp8]')")
+
+
+def fp8_problem(device: torch.device | str) -> str | None:
+    """Why ``train.precision=fp8`` cannot train on ``device`` here, in one line that names what it
+    needs, what this machine has and the way out; None where it can. The config's check, the
+    precision policy's and ``kiln doctor`` all ask this one function.
+
+    A CUDA device this machine does not have is taken on trust for its capability (``kiln plan``
+    traces a GPU's run on fake tensors where there is none; the run itself checks the GPU it
+    trains on): only torchao is asked about then."""
+    has = fp8_lacks(device)
+    return f"{FP8_NEEDS}; this machine has {' and '.join(has)}; use train.precision=bf16-mixed" if has else None
+
+
+def fp8_lacks(device: torch.device | str) -> list[str]:
+    """What this machine has in place of what ``train.precision=fp8`` needs on ``device``, in
+    words (``["no CUDA GPU", "no torchao"]``); empty where fp8 can train (see :func:`fp8_problem`)."""
+    device = torch.device(device)
+    has = []
+    if device.type != "cuda":
+        has.append(f"a GPU, but train.device={device.type}" if torch.cuda.is_available() else "no CUDA GPU")
+    elif torch.cuda.is_available() and not (_FP8 and native_low_precision(device, _FP8[0])):
+        major, minor = torch.cuda.get_device_capability(device)
+        has.append(f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})")
+    if importlib.util.find_spec("torchao") is None:  # (looked up, not imported: importing it takes seconds)
+        has.append("no torchao")
+    return has
 
 
 def cpu_cores() -> dict[str, int]:

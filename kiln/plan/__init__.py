@@ -79,6 +79,29 @@ def _precision_lines(tc: Any) -> list[str]:
     return lines + [f"precision   {mode} on {device.type}{emulated}"]
 
 
+def _fp8_lines(cfg: Any, model: torch.nn.Module) -> list[str]:
+    """train.precision=fp8: which linears compute in float8, and the memory of their casts
+    (:func:`kiln.precision.fp8.fp8_memory`, at a micro-batch's tokens where the data says its
+    sequence length). A traced plan on a CUDA torch holds them in its step peak as they run."""
+    if cfg.train.precision != "fp8":
+        return []
+    from kiln.precision.fp8 import fp8_memory, fp8_skips
+
+    skipped = fp8_skips(model)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    kept = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+    lines = [f"fp8         {linears - len(skipped)} of {linears} linear layers in float8 (rowwise)"
+             + (f", in bf16: {kept}" if kept else "")]
+    seq_len = cfg.data.get("args", {}).get("seq_len") or cfg.model.get("seq_len")
+    if seq_len:
+        tokens = cfg.data.batch_size // cfg.train.accumulate * seq_len
+        mem = fp8_memory(model, tokens)
+        lines.append(f"            float8 casts and scales {_mb(mem.casts)} at most at once ({mem.layer}'s backward, "
+                     f"{tokens:,} tokens), none between steps; the bf16 weight copies bf16-mixed keeps for "
+                     f"backward, {_mb(mem.saved)}, are not made")
+    return lines
+
+
 def describe(cfg: Any, world: int | None = None, planned: "Plan | None" = None) -> str:
     """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x
     pp); ``planned``: its :func:`plan`, shown rank by rank."""
@@ -112,6 +135,7 @@ def describe(cfg: Any, world: int | None = None, planned: "Plan | None" = None) 
         f"data        {_data_line(dc)}",
         "length      " + (f"{tc.max_steps} steps" if tc.max_steps is not None else f"{tc.epochs} epochs"),
         *_precision_lines(tc),
+        *_fp8_lines(cfg, model),
     ]
     if planned is not None:
         lines += _plan_lines(cfg, planned)

@@ -22,11 +22,16 @@
   accuracy: the forward and backward see weights rounded to 8 bits of mantissa, so a model
   usually ends a little below its fp32 or bf16-mixed accuracy (the master weights keep small
   updates from being lost, which pure bf16 training would not).
+- ``fp8``: bf16-mixed, with the model's linear layers computing in float8 through torchao's
+  rowwise recipe (:mod:`kiln.precision.fp8`; :meth:`Precision.convert` swaps them where the
+  model is laid out). Needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper) and
+  ``pip install 'kiln[fp8]'``; refused elsewhere before anything is built.
 - ``fp64``: parameters and inputs in float64, for numerical equivalence checks.
 
 Use it in your own loop::
 
     policy = Precision("auto", torch.device("cuda"))   # bf16-mixed on a GPU with bf16 units
+    policy.convert(model)               # fp8 only: the linears become float8 ones
     with policy.autocast():
         loss = model(x).square().mean()
     policy.backward(loss)
@@ -47,10 +52,10 @@ from typing import Any
 import torch
 
 from kiln import hardware
-from kiln.errors import KilnWarning
+from kiln.errors import ConfigError, KilnWarning
 from kiln.optim import Arena, KilnOptimizer, arena_missing, has_arena, local_tensor, no_arena_setting
 
-MODES = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp64")
+MODES = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp8", "fp64")
 _LOW = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
@@ -281,11 +286,15 @@ class Precision:
     def __init__(self, mode: str = "auto", device: torch.device | str = "cpu", **scaler_kwargs: Any):
         self.requested = mode  # as configured; ``mode`` is what it resolved to on this device
         mode = resolve(mode, device)
+        if mode == "fp8" and (problem := hardware.fp8_problem(device)) is not None:
+            raise ConfigError(problem)  # (a rank's own GPU; the config's check saw the launcher's)
         if self.requested != "auto":
             warn_if_emulated(mode, device)
         self.mode = mode
         self.device = torch.device(device)
-        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(mode)
+        # fp8: the linears compute in float8 and everything else as bf16-mixed does
+        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16,
+                               "fp16-mixed": torch.float16}.get(mode)
         self.param_dtype = torch.float64 if mode == "fp64" else torch.float32  # as the model is built
         self.input_dtype = {"fp64": torch.float64, "bf16-true": torch.bfloat16}.get(mode, torch.float32)
         self.scaler = LossScaler(**scaler_kwargs) if mode == "fp16-mixed" else None
@@ -301,6 +310,16 @@ class Precision:
         self.autocast_dtype = torch.bfloat16 if choice.mode == "bf16-mixed" else None
 
     auto: Any = None  # the AutoChoice that settled train.precision=auto, or None
+    fp8: Any = None  # fp8: the kiln.precision.fp8.Fp8Layers that convert() made, or None
+
+    def convert(self, model: torch.nn.Module) -> None:
+        """Called where the model is laid out, before it is split, sharded or compiled: fp8 swaps
+        its linear layers for float8 ones here (:func:`kiln.precision.fp8.apply_fp8`; names
+        unchanged). A no-op in the other modes."""
+        if self.mode == "fp8":
+            from kiln.precision.fp8 import apply_fp8  # (imports torchao: seconds)
+
+            self.fp8 = apply_fp8(model)
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Called once the optimizer is built: bf16-true turns the model into bf16 here."""

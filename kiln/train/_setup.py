@@ -259,6 +259,7 @@ def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str |
                 kiln_version=__version__, torch_version=torch.__version__, device=str(device),
                 precision=precision.mode, machine=machine_line(), parameters=n_params, total_steps=total_steps,
                 **({"precision_auto": precision.auto.record()} if precision.auto is not None else {}),
+                **({"precision_fp8": precision.fp8.record()} if precision.fp8 is not None else {}),
             )
         elif rank == 0:
             broadcast_path(out.path)
@@ -297,13 +298,14 @@ def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], dev
             precision: Precision, *, task: Task | None = None, weights: str | None = None,
             resuming: bool = False) -> tuple[Parallel, Any]:
     """This rank's part of ``model`` and the optimizer that steps it, as the config lays them
-    out: activation checkpointing, the chunked LM head (``task.head``, when ``task`` is given
+    out: float8 linears (``train.precision=fp8``), activation checkpointing, the chunked LM head (``task.head``, when ``task`` is given
     and ``train.chunked_lm_loss`` applies), pipeline stages, tensor parallel, FSDP2, the weights
     read from ``weights`` (a Hugging Face directory; not when ``resuming``: the checkpoint fills
     them), kiln's optimizer, precision's master weights and the data-parallel side (ZeRO-1/2 or
     the gradient reducer). What :func:`setup` runs, and what ``kiln plan`` traces on fake
     tensors. Returns ``(par, optimizer)``: the optimizer the step uses (ZeRO's wrapper)."""
     tc, dp, world = cfg.train, layout.dp, layout.world
+    precision.convert(model)  # fp8: the linears become float8 ones, before anything wraps or splits them
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac
 
