@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kiln.config import parse_size  # (kiln plan --memory-budget; importable from here as before)
+from kiln.optim import KilnOptimizer
 
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
            "machine_budget", "parse_size", "plan", "run_budget", "runtime_reserve"]
@@ -555,8 +556,6 @@ def _roles(tracker: Any, ctx: Any, step: Any, grads: set[int]) -> dict[str, set[
     marked: gradients as autograd produced them, saved activations, collective buffers)."""
     follow, optimizer, precision = tracker.follow, ctx.optimizer, ctx.precision
     model = ctx.par.model
-    inner = getattr(optimizer, "optimizer", None)
-    opts = [o for o in (optimizer, inner) if isinstance(o, torch.optim.Optimizer)]
     params = set(follow(list(model.parameters()), list(model.buffers())))
     masters = set()
     if precision.masters is not None:
@@ -564,20 +563,17 @@ def _roles(tracker: Any, ctx: Any, step: Any, grads: set[int]) -> dict[str, set[
         grads = grads | set(follow([m.grad for m, _ in precision.masters.pairs]))
     grads = grads | set(follow([p.grad for p in model.parameters() if p.grad is not None]))
     state: set[int] = set(masters)
-    for opt in opts:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state.update(k for k in follow(p) if k not in params)  # (bf16-true: fp32 masters)
-                if p.grad is not None:
-                    grads.update(follow(p.grad))
-        for st in opt.state.values():
-            state.update(follow([v for v in st.values() if torch.is_tensor(v)]))
-        packing, sharding = getattr(opt, "packing", None), getattr(opt, "sharding", None)
-        for pack in [*(packing.packs if packing else []), *(sharding.packs if sharding else [])]:
-            grads.update(follow(pack.arena.grad))
-            state.update(follow(list(pack.state.values())))
-            if pack.scratch is not None:
-                state.update(follow(pack.scratch))
+    # (ZeRO's wrapper shares its param_groups and state with the optimizer it wraps)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state.update(k for k in follow(p) if k not in params)  # (bf16-true: fp32 masters)
+            if p.grad is not None:
+                grads.update(follow(p.grad))
+    for st in optimizer.state.values():
+        state.update(follow([v for v in st.values() if torch.is_tensor(v)]))
+    if isinstance(optimizer, KilnOptimizer):  # the arenas' flat gradients and state, this rank's shards'
+        grads.update(follow(optimizer.grad_buffers()))
+        state.update(follow(optimizer.state_tensors()))
     return {"parameters": params, "gradients": grads, "optimizer_state": state, "masters": masters,
             "activations": tracker.marks["saved"] | set(follow(step.micro)),
             "communication": tracker.marks["collective"]}
