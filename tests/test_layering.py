@@ -199,11 +199,6 @@ def test_the_layering_checks_see_an_upward_import_and_a_package_cycle():
 
 # -- the optimizer's contract (kiln/optim/_contract.py) is what other packages ask of an optimizer --
 
-# The three files another change is restructuring (setup as named stages, the plan's step): what
-# they still probe, to be dropped from here when that change lands.
-PENDING_PROBES = {("kiln/plan/__init__.py", "optimizer"), ("kiln/plan/__init__.py", "packing"),
-                  ("kiln/plan/__init__.py", "sharding"), ("kiln/train/_setup.py", "contiguous")}
-PENDING_LOCAL_TENSOR = {"kiln/bench/plan.py"}
 ARENA_INTERNALS = {"optimizer", "packing", "sharding"}  # a ZeRO wrapper's inner optimizer, the arenas' innards
 
 
@@ -255,15 +250,13 @@ def test_no_module_outside_kiln_optim_probes_the_optimizer():
         if _inside(name, "kiln.optim"):
             continue
         where = str(path.relative_to(ROOT.parent))
-        wrong += [f"{where}:{line} {probed}" for line, probed in _probes(path.read_text(), names)
-                  if (where, probed) not in PENDING_PROBES]
+        wrong += [f"{where}:{line} {probed}" for line, probed in _probes(path.read_text(), names)]
     assert not wrong, "\n".join(wrong)
 
 
 def test_no_module_reads_a_dtensors_private_local_tensor():
     """DTensor's public ``to_local()`` (or kiln.optim.local_tensor), never its ``_local_tensor``."""
-    wrong = [str(path.relative_to(ROOT.parent)) for path in MODULES.values()
-             if "_local_tensor" in path.read_text() and str(path.relative_to(ROOT.parent)) not in PENDING_LOCAL_TENSOR]
+    wrong = [str(path.relative_to(ROOT.parent)) for path in MODULES.values() if "_local_tensor" in path.read_text()]
     assert not wrong, wrong
 
 

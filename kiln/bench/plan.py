@@ -224,9 +224,11 @@ def _storage_bytes(tensors: Any, device: str) -> dict[int, int]:
     """Bytes of the distinct storages of ``tensors`` on ``device`` (the local shards of DTensors)."""
     import torch
 
+    from kiln.optim import local_tensor
+
     out: dict[int, int] = {}
     for t in tensors:
-        t = getattr(t, "_local_tensor", t)
+        t = local_tensor(t)
         if isinstance(t, torch.Tensor) and t.device.type == device and not t.is_meta and not hasattr(t, "fake_mode"):
             st = t.untyped_storage()
             out[st.data_ptr()] = st.nbytes()

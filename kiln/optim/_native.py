@@ -22,6 +22,7 @@ kernels, with one warning.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Callable
 
@@ -198,13 +199,29 @@ _BUILT: dict[tuple[str, torch.dtype], Callable | None] = {}
 
 def kernel(name: str, like: torch.Tensor) -> Callable | None:
     """The native kernel ``name`` ('lamb', 'lars' or 'lars_apply') for buffers like ``like``, built once per
-    process; None where there is none (not a CPU fp32/fp64 buffer, or it cannot be built)."""
+    process; None where there is none (not a CPU fp32/fp64 buffer, or it cannot be built). For
+    a fake tensor (``kiln plan``'s trace), a kernel that does nothing."""
     key = (name, like.dtype)
     if like.device.type != "cpu" or like.dtype not in _CTYPES:
         return None
+    if _is_fake(like):
+        # a fake tensor's data pointer is 0: the C++ kernel would write there and crash the
+        # process. It writes its buffers in place and allocates no tensor, so the traced step
+        # holds the same memory without it
+        return _does_nothing
     if key not in _BUILT:
         _BUILT[key] = _build(name, _CTYPES[like.dtype])
     return _BUILT[key]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    # no FakeTensor exists before torch._subclasses.fake_tensor is imported (kiln plan does)
+    module = sys.modules.get("torch._subclasses.fake_tensor")
+    return module is not None and isinstance(t, module.FakeTensor)
+
+
+def _does_nothing(*args: object) -> None:
+    return None
 
 
 def kernels(like: torch.Tensor, *names: str) -> tuple[Callable, ...] | None:

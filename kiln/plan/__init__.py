@@ -2,11 +2,11 @@
 step, before spending any compute on it.
 
 The model is built on the ``meta`` device (shapes only, no memory) for its counts. The memory
-of a step is not computed from a formula: :func:`plan` runs kiln's own set-up
-(:func:`kiln.train._setup.lay_out`: activation checkpointing, pipeline stages, tensor parallel,
-FSDP2, the optimizer's arena, master weights, ZeRO) and two training steps
-(:func:`kiln.train.loop.train_step`) for each distinct rank of the ``dp x tp x pp`` layout, on
-fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no memory) with a fake process
+of a step is not computed from a formula: :func:`plan` builds each distinct rank of the
+``dp x tp x pp`` layout through kiln train's own set-up stages (``kiln.train.parts.STAGES``:
+the data, the model, its layout with activation checkpointing, pipeline stages, tensor
+parallel and FSDP2, the optimizer's arena, master weights and ZeRO, the step context) and runs
+two training steps (:func:`kiln.train.loop.train_step`) on fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no memory) with a fake process
 group (torch's ``fake`` backend: collectives do nothing). :class:`kiln.plan._memtrace.StorageTracker`
 follows every storage and reports the second (steady) step's peak of live bytes by category;
 ``torch.utils.flop_counter`` counts its FLOPs. What is predicted is the code that runs, so a
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kiln.config import parse_size  # (kiln plan --memory-budget; importable from here as before)
+from kiln.optim import KilnOptimizer
 
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
            "machine_budget", "parse_size", "plan", "run_budget", "runtime_reserve"]
@@ -339,18 +340,18 @@ def plan_device(name: str) -> torch.device:
 _DATA: dict[str, Any] = {}  # the loaders of the last few configs planned (tune plans many alike)
 
 
-def _data(cfg: Any, device: torch.device, rank: int, world: int) -> Any:
-    """``build_data`` of the config's data for data-parallel ``rank`` of ``world``, built once
-    for the configs that share it (its data set may take seconds to make)."""
+def _cached_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.device, rank: int,
+                 world_size: int) -> Any:
+    """``build_data``'s loaders, built once for the configs that share them (a data set may
+    take seconds to make): what the data stage (``load_data``) builds with in a dry run."""
     from kiln.train.parts import build_data
 
-    tc = cfg.train
-    key = f"{cfg.data!r}|{tc.seed}|{tc.accumulate}|{device}|{rank}|{world}"
+    key = f"{data_cfg!r}|{seed}|{accumulate}|{device}|{rank}|{world_size}"
     if key not in _DATA:
         if len(_DATA) >= 4:
             del _DATA[next(iter(_DATA))]
-        _DATA[key] = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
-                                rank=rank, world_size=world)
+        _DATA[key] = build_data(data_cfg, seed=seed, accumulate=accumulate, device=device, rank=rank,
+                                world_size=world_size)
     return _DATA[key]
 
 
@@ -413,92 +414,114 @@ class _NeedsShapes(Exception):
 
 def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
                 mailbox: dict[Any, Any]) -> tuple[RankPlan, str]:
-    """Set up ``rank`` as kiln train would, on fake tensors with a fake process group, run two
-    steps, and read the second one's peak."""
-    import gc
+    """Build ``rank`` through kiln train's own stages (:func:`kiln.train.parts.setup`'s), on fake
+    tensors with a fake process group, run two steps, and read the second one's peak. The dry
+    run adds its fake tensors and its tracker, and calls none of the stages that have no
+    meaning in it: joining a real process group, measuring train.precision=auto's speed,
+    restoring a checkpoint, the run directory and its loggers (and compile: the eager step is
+    traced)."""
     import warnings
 
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.plan._memtrace import StorageTracker
-    from kiln.hf import deferred_weights, materialize, meta_parameters
     from kiln.optim import norms_as_row_views
     from kiln.precision import Precision
-    from kiln.train.parts import (Batches, Meter, build_model, build_scheduler, build_task, check_model,
-                                  check_steps, lay_out, steps_per_epoch, to_device, train_step)
+    from kiln.train.parts import (Batches, Place, lay_out, load_data, make_model, make_optimizer,
+                                  step_context)
 
-    tc, world = cfg.train, layout.world
-    coords = layout.coords(rank)
-    if world > 1:
-        import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of c10d's ops)
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+    tc = cfg.train
+    with _fake_group(rank, layout.world), warnings.catch_warnings(), _collecting_only_new_objects():
+        # kiln's arena guard reads data_ptr(), which a fake tensor answers with 0, warning
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+        place = Place(rank, layout.world, layout, device)
+        precision = Precision(tc.precision, device)
+        data, total_steps = load_data(cfg, place, build=_cached_data)
+        step = next(Batches(data.train, tc.accumulate, cfg.data.batch_size))  # the run's first step
+        built = make_model(cfg, place, precision, data, dry=True)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        tracker = StorageTracker(fake)
+        with fake, tracker, tracker.patched():
+            _make_fake(built.model, fake, device)
+            tracker.follow(list(built.model.parameters()), list(built.model.buffers()))
+        with fake, tracker, tracker.patched(), _one_mode():
+            par = lay_out(cfg, place, built, precision)  # (built.model is now this rank's part, as in kiln train)
+            optimizer = make_optimizer(cfg, place, precision, par)
+        dry_pipeline = _dry_pipeline(mailbox) if layout.pp > 1 else contextlib.nullcontext()
+        with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views(), _unpacked_as_run(step):
+            ctx = step_context(cfg, place, precision, built, par, optimizer, total_steps)
+            start, end, grads = _two_steps(ctx, step, tracker)
+            roles = _roles(tracker, ctx, step, grads)
+        peak, live = tracker.peak(start, end)
+        base = tracker.peak(start, start)[1]  # what is live as the step starts
+        result = RankPlan(
+            rank=rank, coords=place.coords, peak_bytes=peak, **_split(live, roles, tracker),
+            fp32_masters=sum(b for k, b in live.items() if k in roles["masters"]),
+            between_steps={c: v for c, v in _split(base, roles, tracker).items() if v},
+            flops=tracker.flops, traced_as=rank, ops=tracker.ops, collectives=tracker.collectives,
+            collective_bytes=tracker.collective_bytes)
+        return result, precision.mode
 
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+@contextlib.contextmanager
+def _fake_group(rank: int, world: int) -> Iterator[None]:
+    """Inside it, this process is ``rank`` of a process group of ``world`` whose collectives do
+    nothing (torch's ``fake`` backend); one process has none."""
+    if world == 1:
+        yield
+        return
+    import torch.distributed as dist
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of c10d's ops)
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        with warnings.catch_warnings(), _collecting_only_new_objects():
-            # kiln's arena guard reads data_ptr(), which a fake tensor answers with 0, warning
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
-            precision = Precision(tc.precision, device)
-            data = _data(cfg, device, coords["dp"], layout.dp)
-            check_steps(cfg, data, layout, steps_per_epoch(data.train, tc.accumulate))
-            step = next(Batches(data.train, tc.accumulate, cfg.data.batch_size))
-            with deferred_weights(), meta_parameters():  # parameters on meta: no memory, no init
-                model = build_model(cfg.model)
-            model = to_device(model, device, precision.param_dtype)
-            check_model(cfg, model)
-            task = build_task(cfg, data, model)
-            fake = FakeTensorMode(allow_non_fake_inputs=True)
-            tracker = StorageTracker(fake)
-            with fake, tracker, tracker.patched():
-                materialize(model, device)
-                for module in model.modules():
-                    for name, buf in module._buffers.items():
-                        if buf is not None and not buf.is_meta:
-                            module._buffers[name] = fake.from_tensor(buf)
-                tracker.follow(list(model.parameters()), list(model.buffers()))
-            with fake, tracker, tracker.patched(), _one_mode():
-                par, optimizer = lay_out(cfg, model, layout, coords, device, precision, task=task)
-            del model  # (kiln train drops the whole model too: a pipeline rank keeps its stages)
-            dry_pipeline = _dry_pipeline(mailbox) if layout.pp > 1 else contextlib.nullcontext()
-            with fake, tracker, tracker.patched(), dry_pipeline, norms_as_row_views(), _unpacked_as_run(step):
-                scheduler = build_scheduler(cfg.optim, optimizer, 2)
-                run = _StepRun(cfg=cfg, precision=precision, par=par, optimizer=optimizer, layout=layout,
-                               device=device, task=task, model=par.model, scheduler=scheduler, meter=Meter(device),
-                               clip_grad_norm=cfg.train.clip_grad_norm)
-                par.model.train()
-                grads: set[int] = set()
-                hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.update(tracker.follow(p.grad)))
-                         for p in par.model.parameters() if p.requires_grad]
-                with tracker.saved_for_backward():
-                    tracker.follow(step.micro)
-                    _first_step(run, step)
-                    # what reference cycles still hold (a pipeline's first step leaves some) is
-                    # garbage, not the steady step's: collected, as the real run's collector would
-                    gc.collect()
-                    start = tracker.position()
-                    tracker.count_flops = True
-                    train_step(run, step)
-                    tracker.count_flops = False
-                    end = tracker.position()
-                for h in hooks:
-                    h.remove()
-                roles = _roles(tracker, par, optimizer, precision, step, grads)
-            peak, live = tracker.peak(start, end)
-            base = tracker.peak(start, start)[1]  # what is live as the step starts
-            result = RankPlan(
-                rank=rank, coords=coords, peak_bytes=peak, **_split(live, roles, tracker),
-                fp32_masters=sum(b for k, b in live.items() if k in roles["masters"]),
-                between_steps={c: v for c, v in _split(base, roles, tracker).items() if v},
-                flops=tracker.flops, traced_as=rank, ops=tracker.ops, collectives=tracker.collectives,
-                collective_bytes=tracker.collective_bytes)
-            return result, precision.mode
+        yield
     finally:
-        if world > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
             _forget_meshes()
+
+
+def _make_fake(model: Any, fake: Any, device: torch.device) -> None:
+    """The model's parameters (on ``meta``) as fake tensors on ``device``, and its buffers
+    (computed for real) as fake copies."""
+    from kiln.hf import materialize
+
+    materialize(model, device)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta:
+                module._buffers[name] = fake.from_tensor(buf)
+
+
+def _two_steps(ctx: Any, step: Any, tracker: Any) -> tuple[int, int, set[int]]:
+    """The first step (:func:`_first_step`), then the second, traced: the tracker's positions
+    where the second starts and ends, and the gradients as autograd produced them."""
+    import gc
+
+    from kiln.train.parts import train_step
+
+    ctx.par.model.train()
+    grads: set[int] = set()
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.update(tracker.follow(p.grad)))
+             for p in ctx.par.model.parameters() if p.requires_grad]
+    with tracker.saved_for_backward():
+        tracker.follow(step.micro)
+        _first_step(ctx, step)
+        # what reference cycles still hold (a pipeline's first step leaves some) is garbage, not
+        # the steady step's: collected, as the real run's collector would
+        gc.collect()
+        start = tracker.position()
+        tracker.count_flops = True
+        train_step(ctx, step)
+        tracker.count_flops = False
+        end = tracker.position()
+    for h in hooks:
+        h.remove()
+    return start, end, grads
 
 
 @contextlib.contextmanager
@@ -535,47 +558,28 @@ def _forget_meshes() -> None:
     _redistribute._gen_transform_infos.cache_clear()
 
 
-def _first_step(run: Any, step: Any) -> None:
+def _first_step(ctx: Any, step: Any) -> None:
     """What the first training step leaves for the steady ones: the optimizer's state (and
     ZeRO's and the precision's), made by a step on zero gradients, which runs the optimizer's
     whole side of train_step without the forward and backward (half the trace's time); with a
     pipeline the whole first step, whose schedule learns the stages' shapes in it."""
     from kiln.train.parts import Step, train_step
 
-    if run.par.pipeline is not None:
-        train_step(run, step)
+    if ctx.par.pipeline is not None:
+        train_step(ctx, step)
         return
-    params = [p for p in run.par.model.parameters() if p.requires_grad]
+    params = [p for p in ctx.par.model.parameters() if p.requires_grad]
     # zero gradients through autograd, so that every gradient hook fires as in a backward
     # (kiln's optimizers step only parameters whose gradient is new since the last step)
     torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
-    train_step(run, Step(epoch=step.epoch, micro=[], samples=step.samples))
+    train_step(ctx, Step(epoch=step.epoch, micro=[], samples=step.samples))
 
 
-@dataclass
-class _StepRun:
-    """What :func:`kiln.train.loop.train_step` reads of a :class:`kiln.train._setup.Run`."""
-
-    cfg: Any
-    precision: Any
-    par: Any
-    optimizer: Any
-    layout: Any
-    device: torch.device
-    task: Any
-    model: Any
-    scheduler: Any
-    meter: Any
-    clip_grad_norm: float | None
-
-
-def _roles(tracker: Any, par: Any, optimizer: Any, precision: Any, step: Any, grads: set[int]) -> dict[str, set[int]]:
+def _roles(tracker: Any, ctx: Any, step: Any, grads: set[int]) -> dict[str, set[int]]:
     """The storages of each category, by what holds them after the step (and what the step
     marked: gradients as autograd produced them, saved activations, collective buffers)."""
-    follow = tracker.follow
-    model = par.model
-    inner = getattr(optimizer, "optimizer", None)
-    opts = [o for o in (optimizer, inner) if isinstance(o, torch.optim.Optimizer)]
+    follow, optimizer, precision = tracker.follow, ctx.optimizer, ctx.precision
+    model = ctx.par.model
     params = set(follow(list(model.parameters()), list(model.buffers())))
     masters = set()
     if precision.masters is not None:
@@ -583,20 +587,17 @@ def _roles(tracker: Any, par: Any, optimizer: Any, precision: Any, step: Any, gr
         grads = grads | set(follow([m.grad for m, _ in precision.masters.pairs]))
     grads = grads | set(follow([p.grad for p in model.parameters() if p.grad is not None]))
     state: set[int] = set(masters)
-    for opt in opts:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state.update(k for k in follow(p) if k not in params)  # (bf16-true: fp32 masters)
-                if p.grad is not None:
-                    grads.update(follow(p.grad))
-        for st in opt.state.values():
-            state.update(follow([v for v in st.values() if torch.is_tensor(v)]))
-        packing, sharding = getattr(opt, "packing", None), getattr(opt, "sharding", None)
-        for pack in [*(packing.packs if packing else []), *(sharding.packs if sharding else [])]:
-            grads.update(follow(pack.arena.grad))
-            state.update(follow(list(pack.state.values())))
-            if pack.scratch is not None:
-                state.update(follow(pack.scratch))
+    # (ZeRO's wrapper shares its param_groups and state with the optimizer it wraps)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state.update(k for k in follow(p) if k not in params)  # (bf16-true: fp32 masters)
+            if p.grad is not None:
+                grads.update(follow(p.grad))
+    for st in optimizer.state.values():
+        state.update(follow([v for v in st.values() if torch.is_tensor(v)]))
+    if isinstance(optimizer, KilnOptimizer):  # the arenas' flat gradients and state, this rank's shards'
+        grads.update(follow(optimizer.grad_buffers()))
+        state.update(follow(optimizer.state_tensors()))
     return {"parameters": params, "gradients": grads, "optimizer_state": state, "masters": masters,
             "activations": tracker.marks["saved"] | set(follow(step.micro)),
             "communication": tracker.marks["collective"]}

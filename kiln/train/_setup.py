@@ -1,6 +1,24 @@
 """Everything a run needs before its first step: :func:`setup` builds it and, when resuming,
 puts it back exactly where the checkpoint left off. What it returns, :class:`Run`, is what
-``loop.py`` works on.
+``loop.py`` works on; what one step uses of it is a :class:`StepContext`.
+
+A rank is built by a short list of stages, each a function of the config and of what the
+stages before it returned (torchtitan's ``Trainer.__init__``: device, model, parallelize,
+optimizer, data)::
+
+    place = join(cfg)                                    # process group, layout, device, seed
+    precision = Precision(cfg.train.precision, place.device)
+    data, total_steps = load_data(cfg, place)            # loaders, checked against the steps
+    built = make_model(cfg, place, precision, data)      # the whole model and its task
+    cfg = settle_precision(cfg, place, precision, built, data, resumed)   # train.precision=auto
+    par = lay_out(cfg, place, built, precision)        # AC, chunked head, pp, tp, FSDP2, weights
+    optimizer = make_optimizer(cfg, place, precision, par)   # + master weights, ZeRO-1/2
+    step = step_context(cfg, place, precision, built, par, optimizer, total_steps)
+    run.start_step, run.batches = restore(run, resumed)  # fresh, or where the checkpoint left off
+    run.out, run.loggers, run.progress = open_run_dir(run, out, resumed, ...)
+
+``kiln plan`` (:mod:`kiln.plan`) traces a rank on fake tensors through the same functions; it
+skips only what has no meaning in a dry run, by not calling it (see :func:`setup`).
 
 Everything that can be wrong with the config is checked before anything is built (kiln.config,
 then the layout, the plan of steps and the model), and everything is built before the run
@@ -9,22 +27,25 @@ directory is created or reopened, so a bad run leaves no half-made directory beh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kiln._version import __version__
 from kiln.config import save_config
 from kiln.errors import ConfigError
 from kiln.hardware import machine_line
-from kiln.hf import deferred_weights, load_inner_weights, load_weights, materialize, weights_source
+from kiln.hf import deferred_weights, load_inner_weights, load_weights, materialize, meta_parameters, weights_source
+from kiln.optim import has_arena
 from kiln.parallel import Parallel, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
@@ -100,33 +121,76 @@ class Meter:
 
 
 @dataclass
-class Run:
-    """One rank's view of a run: what it trains, with what, and where it writes."""
+class Place:
+    """Where this process stands in the run: its rank of ``world``, its coordinates in the
+    ``dp x tp x pp`` layout, the device it computes on. What :func:`join` returns; ``kiln plan``
+    makes one for each rank it traces, in its fake process group."""
+
+    rank: int
+    world: int
+    layout: Any  # kiln.parallel.Layout: dp x tp x pp
+    device: torch.device
+    owns_group: bool = False  # join started the process group: the run ends it
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)  # {"pp": .., "dp": .., "tp": ..}
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Built:
+    """What :func:`make_model` returns: the model (the whole model on this rank's device until
+    :func:`lay_out` replaces it with this rank's part), how a batch becomes its loss, and the
+    Hugging Face directory whose weights are read once it is laid out."""
+
+    model: nn.Module
+    task: Task
+    weights: str | None
+    parameters: int  # of the whole model, before any sharding
+
+
+@dataclass(kw_only=True)
+class StepContext:
+    """What :func:`kiln.train.loop.train_step` uses, and nothing more; ``kiln train``'s
+    :class:`Run` is one, ``kiln plan``'s dry run builds one alone (:func:`step_context`)."""
+
+    device: torch.device
+    dp: int  # data-parallel ranks: a micro-batch's loss is averaged over them
+    precision: Precision
+    task: Task  # how a batch becomes a loss, and the eval metrics
+    par: Parallel  # this rank's part of the model and the layout's pieces of a step
+    model: nn.Module  # what forward calls: par.model, compiled with train.compile
+    optimizer: Any  # kiln's optimizer, or ZeRO-1/2 around it
+    scheduler: Any
+    meter: Meter
+    clip_grad_norm: float | None = None  # train.clip_grad_norm, read once (the step reads no config)
+
+
+@dataclass(kw_only=True)
+class Run(StepContext):
+    """One rank's view of a run: its step (the :class:`StepContext`), what it trains on, and
+    where it writes. The later stages of :func:`setup` fill the fields that default to None."""
 
     cfg: Any
     rank: int
     world: int
     layout: Any  # kiln.parallel.Layout: dp x tp x pp
-    device: torch.device
-    precision: Precision
     data: Data
-    task: Task  # how a batch becomes a loss, and the eval metrics
-    par: Parallel  # this rank's part of the model and the layout's pieces of a step
-    model: nn.Module  # what forward calls: par.model, compiled with train.compile
-    optimizer: torch.optim.Optimizer  # kiln's optimizer, or ZeRO-1/2 around it
-    scheduler: Any
-    batches: Batches
-    out: RunDir | NullRun  # the run directory (rank 0), or a stand-in that writes nothing
-    progress: Progress
-    loggers: Loggers  # rank 0's TensorBoard, W&B, MLflow (train.loggers); none on other ranks
-    best: EarlyStopping | None  # tracks the best evaluation, for checkpoints/best
-    stopper: EarlyStopping | None  # the same object when early stopping is on
-    meter: Meter
     total_steps: int
-    start_step: int
+    parameters: int  # of the whole model, before any sharding
     memory: TensorMemory  # the peak of live tensor bytes over the first steps
     mfu: Mfu  # FLOPs per step (counted on the first) against the devices' peak
-    clip_grad_norm: float | None = None  # train.clip_grad_norm, read once (the step reads no config)
+    best: EarlyStopping | None = None  # tracks the best evaluation, for checkpoints/best
+    stopper: EarlyStopping | None = None  # the same object when early stopping is on
+    start_step: int = 0  # steps done: 0, or the checkpoint's (restore)
+    batches: Batches = None  # whole steps of data, from start_step on (restore)
+    out: RunDir | NullRun = None  # the run directory (rank 0), or a stand-in that writes nothing (open_run_dir)
+    progress: Progress = None
+    loggers: Loggers = None  # rank 0's TensorBoard, W&B, MLflow (train.loggers); none on other ranks
     compile_seconds: float | None = None
     first_step_seconds: float | None = None  # the process's first step, left out of samples/s
     owns_group: bool = False  # setup started the process group: the run ends it
@@ -147,30 +211,44 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
           run_dir: Path | str | None = None) -> Run:
     """Build the run ``cfg`` describes on this rank; ``resume=RUN_DIR`` continues that run from
     its newest checkpoint, in its directory; ``run_dir`` names a new, empty run directory
-    instead of creating one under ``train.output_dir``."""
-    meter_start = time.perf_counter()
-    tc = cfg.train
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    import torch.distributed as dist
+    instead of creating one under ``train.output_dir``.
 
-    # a process group the caller made (its own script, a test) stays up after the run
-    owns_group = not (dist.is_available() and dist.is_initialized())
-    rank, world = init_distributed(cfg.parallel.timeout_s)
-    if rank == 0:
-        check_loggers(tc.loggers)  # rank 0 alone logs: a logger that cannot start stops the run now
-    layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
-    coords = layout.coords(rank)  # this rank's place: {"pp": .., "dp": .., "tp": ..}
-    device = pick_device(tc.device)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
-    seed_everything(tc.seed)  # the same on every rank: identical initial weights
-    out = None
-    if resume is not None and rank == 0:
-        out = RunDir.open(Path(resume))  # locked first: RunDirBusy if another process writes it
+    A rank is built by these stages, in this order, each a function of the config and of what
+    the stages before it returned. ``kiln plan`` builds each rank it traces by the same
+    functions, on fake tensors; it calls neither :func:`join` (its fake process group stands in),
+    nor :func:`settle_precision` (a measurement of speed), nor :func:`restore` and
+    :func:`open_run_dir` (a dry run resumes nothing and writes nothing)."""
+    started = time.perf_counter()
+    place = join(cfg)  # device and process group
+    if place.main:
+        check_loggers(cfg.train.loggers)  # rank 0 alone logs: a logger that cannot start stops the run now
+    out = RunDir.open(Path(resume)) if resume is not None and place.main else None  # locked first: RunDirBusy
     try:
-        run = _setup(cfg, name, resume, run_dir, out, meter_start, rank, world, layout, coords, device)
-        run.owns_group = owns_group and world > 1
+        resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
+        # an explicit bf16/fp16 mode on hardware that emulates it warns, once; train.precision=auto
+        # is fp32 or bf16-mixed, which build everything alike: settled once the model exists
+        precision = Precision(cfg.train.precision, place.device)
+        data, total_steps = load_data(cfg, place)
+        built = make_model(cfg, place, precision, data)
+        cfg = settle_precision(cfg, place, precision, built, data, resumed)
+        par = lay_out(cfg, place, built, precision, resuming=resumed is not None)
+        optimizer = make_optimizer(cfg, place, precision, par)
+        step = step_context(cfg, place, precision, built, par, optimizer, total_steps)
+        if cfg.train.compile:
+            from kiln.compile import apply_compile
+
+            step.model = apply_compile(step.model)  # compiles lazily: the first step pays for it
+        if resumed is not None:
+            check_extends(Path(resume), resumed[1]["step"], total_steps)
+            _check_schedule_length(cfg, resumed[1]["scheduler"], total_steps)
+        step.meter.wall_start = started
+        run = Run(**vars(step), cfg=cfg, rank=place.rank, world=place.world, layout=place.layout, data=data,
+                  total_steps=total_steps, parameters=built.parameters, owns_group=place.owns_group,
+                  memory=TensorMemory(place.device, (par.model, step.optimizer), enabled=cfg.train.measure_memory),
+                  mfu=Mfu(place.device, precision, place.world, place.layout.tp, main=place.main),
+                  **_watchers(cfg.train))
+        run.start_step, run.batches = restore(run, resumed)
+        run.out, run.loggers, run.progress = open_run_dir(run, out, resumed, name=name, run_dir=run_dir)
         return run
     except BaseException:
         if out is not None:
@@ -178,133 +256,90 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         raise
 
 
-def _setup(cfg: Any, name: str, resume: Path | str | None, run_dir: Path | str | None, out: RunDir | None,
-           meter_start: float, rank: int, world: int, layout: Any, coords: dict[str, int],
-           device: torch.device) -> Run:
-    tc, dp = cfg.train, layout.dp
-    resumed = checkpoint_to_resume(Path(resume), cfg) if resume is not None else None
+def join(cfg: Any) -> Place:
+    """The first stage: this process's threads, its place in the process group (joined here,
+    from torchrun's environment), the layout checked against the world, batch and model, its
+    device, and the seed, the same on every rank (identical initial weights)."""
+    tc = cfg.train
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    # a process group the caller made (its own script, a test) stays up after the run
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    rank, world = init_distributed(cfg.parallel.timeout_s)
+    layout = check_layout(cfg, world)  # dp x tp x pp, checked against the batch and the model
+    device = pick_device(tc.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", torch.cuda.current_device())  # init_distributed chose LOCAL_RANK
+    seed_everything(tc.seed)
+    return Place(rank, world, layout, device, owns_group=owns_group and world > 1)
 
-    # ---- build everything before touching the disk --------------------------------------
-    # An explicit bf16/fp16 mode on hardware that emulates it warns, once. train.precision=auto
-    # is fp32 or bf16-mixed, which build everything alike: settled below, once the model exists.
-    precision = Precision(tc.precision, device)
-    # the ranks of one data-parallel replica (its tp and pp ranks) read the same samples
-    data = build_data(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=device,
-                      rank=coords["dp"], world_size=dp)
+
+def load_data(cfg: Any, place: Place, build: Callable[..., Data] = build_data) -> tuple[Data, int]:
+    """The loaders of this rank (the ranks of one data-parallel replica, its tp and pp ranks,
+    read the same samples), checked against the plan of steps, and the run's length in steps.
+    ``build``: :func:`kiln.train._build.build_data`, or ``kiln plan``'s cache of its results."""
+    tc = cfg.train
+    data = build(cfg.data, seed=tc.seed, accumulate=tc.accumulate, device=place.device,
+                 rank=place.coords["dp"], world_size=place.layout.dp)
     per_epoch = steps_per_epoch(data.train, tc.accumulate)
-    _check_steps(cfg, data, layout, per_epoch)
-    with deferred_weights():  # kiln.hf.from_pretrained: parameters on meta, its weights read once laid out
+    _check_steps(cfg, data, place.layout, per_epoch)
+    return data, tc.max_steps if tc.max_steps is not None else tc.epochs * per_epoch
+
+
+def make_model(cfg: Any, place: Place, precision: Precision, data: Data, *, dry: bool = False) -> Built:
+    """The whole model on this rank's device, in the precision's parameter dtype, checked
+    against the config, and its task. A ``kiln.hf.from_pretrained`` model keeps its parameters
+    on ``meta`` (its weights are read once it is laid out); one inside a module of the user's
+    is read now, whole. ``dry`` (``kiln plan``'s dry run): every parameter is built on ``meta``
+    (no memory, no initialisation: the plan makes them fake tensors) and no weight is read."""
+    # kiln.hf.from_pretrained: parameters on meta, its weights read once laid out
+    with deferred_weights(), meta_parameters() if dry else contextlib.nullcontext():
         model = build_model(cfg.model)
-    weights = weights_source(model)  # the local Hugging Face directory they come from, or None
-    if weights is None:
+    weights = None if dry else weights_source(model)  # the local directory they come from, or None
+    if not dry and weights is None:
         load_inner_weights(model)  # from_pretrained inside a module of the user's: read whole, now
-    model = _to(model, device, precision.param_dtype)
+    model = _to(model, place.device, precision.param_dtype)
     check_model(cfg, model)
     task = build_task(cfg, data, model)
-    n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
-    if precision.requested == "auto":
-        # fp32 or bf16-mixed, whichever trains this model faster here (kiln/precision/auto.py):
-        # timed on rank 0 before the model is laid out (its passes then need no collective);
-        # config.yaml records the choice, so a rerun from it does not measure
-        precision.settle(_auto_precision(cfg, resumed, model, task, data, layout, device, rank, world))
-        cfg = copy.deepcopy(cfg)  # (not the caller's)
-        cfg.train.precision = precision.mode
-    par, optimizer = lay_out(cfg, model, layout, coords, device, precision, task=task, weights=weights,
-                             resuming=resumed is not None)
-    model = par.model
-    if tc.compile:
-        from kiln.compile import apply_compile
-
-        model = apply_compile(model)  # compiles lazily: the first step pays for it
-    total_steps = tc.max_steps if tc.max_steps is not None else tc.epochs * per_epoch
-    scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
-    if resumed is not None:
-        check_extends(Path(resume), resumed[1]["step"], total_steps)
-        _check_schedule_length(cfg, resumed[1]["scheduler"], total_steps)
-    stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
-    best = stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None)  # tracks best/
-
-    # ---- state: fresh, or exactly where the checkpoint left off ---------------------------
-    meter = Meter(device, wall_start=meter_start)
-    start_step, epoch, in_epoch = 0, 0, 0  # resume point: steps done, epoch, steps into it
-    if resumed is not None:
-        ckpt = resumed[1]
-        # every rank reads its part of each tensor, however this run shards it; into the
-        # arena in place (never assign=True)
-        load_into(resumed[0], par.model, optimizer, precision)
-        scheduler.load_state_dict(ckpt["scheduler"])
-        precision.load_state_dict(ckpt["precision"])
-        if best is not None and ckpt.get("best"):
-            best.load_state_dict(ckpt["best"])
-        start_step, epoch, in_epoch = ckpt["step"], ckpt["data"]["epoch"], ckpt["data"]["step"]
-        meter.load_state_dict(ckpt)
-    # whole steps of data.batch_size samples; replays the steps of the epoch already done
-    batches = Batches(data.train, tc.accumulate, cfg.data.batch_size, epoch, in_epoch)
-    if resumed is not None:  # after the replay, which may have drawn random numbers
-        per_rank = resumed[1]["rng"]
-        set_rng_state(per_rank[rank] if len(per_rank) == world else per_rank[0])
-
-    # ---- the run directory ---------------------------------------------------------------
-    if rank != 0:
-        out = NullRun(broadcast_path(None))  # rank 0 alone writes; the others only learn where
-    elif resumed is None:
-        # summary.json says "running" before anything else is in the directory
-        out = RunDir.open(Path(run_dir)) if run_dir is not None else RunDir.create(tc.output_dir, tc.run_name or name)
-    try:  # from here on, a stop (Ctrl-C included) is recorded in summary.json, as in the loop
-        if rank == 0 and resumed is None:
-            broadcast_path(out.path)
-            save_config(cfg, out.path / CONFIG)
-            out.write_summary(
-                status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
-                kiln_version=__version__, torch_version=torch.__version__, device=str(device),
-                precision=precision.mode, machine=machine_line(), parameters=n_params, total_steps=total_steps,
-                **({"precision_auto": precision.auto.record()} if precision.auto is not None else {}),
-                **({"precision_fp8": precision.fp8.record()} if precision.fp8 is not None else {}),
-            )
-        elif rank == 0:
-            broadcast_path(out.path)
-            out.truncate_metrics(after_step=start_step)  # rows logged after the checkpoint come again
-            save_config(cfg, out.path / CONFIG)  # may extend max_steps
-            # train.device may change on resume (RESUMABLE_CHANGES): the summary names where it goes on
-            out.write_summary(status="running", total_steps=total_steps, precision=precision.mode, device=str(device),
-                              machine=machine_line(),
-                              resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": start_step}])
-        out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
-                          "samples_per_second", "mfu", "peak_memory_mb", "wall_seconds",
-                          *(f"eval_{m}" for m in task.metric_names())])
-        # rank 0 alone logs; a resumed run continues the logged runs RUN_DIR/loggers.json names
-        loggers = Loggers.open(tc.loggers, out.path, plain(cfg), resumed=resumed is not None) if rank == 0 \
-            else Loggers()
-        progress = Progress(total_steps, mode=tc.progress if rank == 0 else "none", initial=start_step)
-        shown_layout = f", {world} processes ({layout})" if world > 1 else ""
-        shown_precision = f"{precision.mode} (auto)" if precision.auto is not None else precision.mode
-        if precision.auto is not None:
-            progress.message(f"kiln: {precision.auto.line()}")
-        progress.message(f"kiln: {n_params:,} parameters on {device}{shown_layout}, {shown_precision}, "
-                         f"steps {start_step + 1}..{total_steps} -> {out.path}")
-        mfu = Mfu(device, precision, world, layout.tp, main=rank == 0)  # (a CPU's peak: measured once, cached)
-        meter.window_start = time.perf_counter()
-        return Run(cfg=cfg, rank=rank, world=world, layout=layout, device=device, precision=precision, data=data,
-                   task=task, par=par, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
-                   out=out, progress=progress, loggers=loggers, best=best, stopper=stopper, meter=meter,
-                   memory=TensorMemory(device, (par.model, optimizer), enabled=tc.measure_memory), mfu=mfu,
-                   total_steps=total_steps, start_step=start_step, clip_grad_norm=tc.clip_grad_norm)
-    except BaseException as exc:
-        out.stopped(exc)
-        raise
+    return Built(model, task, weights, parameters=sum(p.numel() for p in model.parameters()))
 
 
-def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], device: torch.device,
-            precision: Precision, *, task: Task | None = None, weights: str | None = None,
-            resuming: bool = False) -> tuple[Parallel, Any]:
-    """This rank's part of ``model`` and the optimizer that steps it, as the config lays them
-    out: float8 linears (``train.precision=fp8``), activation checkpointing, the chunked LM head (``task.head``, when ``task`` is given
-    and ``train.chunked_lm_loss`` applies), pipeline stages, tensor parallel, FSDP2, the weights
-    read from ``weights`` (a Hugging Face directory; not when ``resuming``: the checkpoint fills
-    them), kiln's optimizer, precision's master weights and the data-parallel side (ZeRO-1/2 or
-    the gradient reducer). What :func:`setup` runs, and what ``kiln plan`` traces on fake
-    tensors. Returns ``(par, optimizer)``: the optimizer the step uses (ZeRO's wrapper)."""
-    tc, dp, world = cfg.train, layout.dp, layout.world
+def settle_precision(cfg: Any, place: Place, precision: Precision, built: Built, data: Data,
+                     resumed: Any) -> Any:
+    """``train.precision=auto``'s answer, fp32 or bf16-mixed (:mod:`kiln.precision.auto`): a
+    resumed run's checkpoint's mode, the rule's, or rank 0's measurement of the whole model
+    (before it is laid out: its passes then need no collective), given to every rank. Returns
+    the config with the answer, which config.yaml records (a rerun from it does not measure);
+    other modes return ``cfg`` as it is."""
+    if precision.requested != "auto":
+        return cfg
+    from kiln.precision.auto import CANDIDATES, AutoChoice, rule
+
+    if resumed is not None and resumed[1].get("precision", {}).get("mode") in CANDIDATES:
+        # never measured again: a resumed run goes on in the mode it trained in
+        choice = AutoChoice(resumed[1]["precision"]["mode"], "checkpoint", f"as {resumed[0].name} trained")
+    else:
+        # the same on every rank; measured where one GPU holds the whole model
+        choice = rule(place.device, whole_model=place.layout.tp == place.layout.pp == 1 and cfg.parallel.zero < 3)
+    if choice is None:
+        choice = _measure_precision(cfg, place, built, data) if place.main else None
+        if place.world > 1:
+            box = [choice]
+            dist.broadcast_object_list(box, src=0)  # the others wait here while rank 0 measures
+            choice = box[0]
+    precision.settle(choice)
+    cfg = copy.deepcopy(cfg)  # (not the caller's)
+    cfg.train.precision = precision.mode
+    return cfg
+
+
+def lay_out(cfg: Any, place: Place, built: Built, precision: Precision, *, resuming: bool = False) -> Parallel:
+    """This rank's part of the built model, as the config lays it out: float8 linears
+    (``train.precision=fp8``), activation checkpointing, the chunked LM head (``built.task.head``, where ``train.chunked_lm_loss``
+    applies), pipeline stages, tensor parallel, FSDP2, and the weights read from
+    ``built.weights`` (not when ``resuming``: the checkpoint fills them). From here on
+    ``built.model`` is this rank's part (``par.model``): a pipeline rank drops the others'."""
+    tc, model, task, layout = cfg.train, built.model, built.task, place.layout
     precision.convert(model)  # fp8: the linears become float8 ones, before anything wraps or splits them
     if tc.activation_checkpointing != "none":
         from kiln.memory import apply_ac
@@ -312,79 +347,167 @@ def lay_out(cfg: Any, model: nn.Module, layout: Any, coords: dict[str, int], dev
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every, blocks=tc.ac_blocks)
     # a causal LM's head and loss in chunks of rows (kiln/train/_chunked_loss.py): the model
     # returns the hidden states its output projection took, and the task's loss makes the logits
-    head = chunked_head_path(cfg, model, task.kind, layout.pp) if task is not None else None
+    head = chunked_head_path(cfg, model, task.kind, layout.pp)
     if head is not None:
         task.head = apply_chunked_head(model, head, min_bytes=AUTO_MIN_BYTES if tc.chunked_lm_loss == "auto" else 0)
     # Pipeline stages, then tensor parallel, then (zero=3) FSDP2 over the dp ranks; par.model
     # is this rank's part, under the whole model's parameter names. The pipeline schedule
     # calls the loss itself, once per micro-batch: divided by K, as train_step divides it.
-    par = parallelize(model, layout, zero=cfg.parallel.zero, sequence_parallel=cfg.parallel.sequence_parallel,
-                      pp_schedule=cfg.parallel.pp_schedule, microbatches=cfg.parallel.microbatches,
-                      pp_stages=cfg.parallel.pp_stages, device=device, chunked_head=head is not None,
+    pc = cfg.parallel
+    par = parallelize(model, layout, zero=pc.zero, sequence_parallel=pc.sequence_parallel,
+                      pp_schedule=pc.pp_schedule, microbatches=pc.microbatches, pp_stages=pc.pp_stages,
+                      device=place.device, chunked_head=head is not None,
                       loss_fn=lambda logits, targets: loss_from_logits(logits, targets) / tc.accumulate)
-    # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
-    # (there is no one flat arena to slice).
-    if weights is not None and not resuming:
+    if built.weights is not None and not resuming:
         # each rank reads from the safetensors files only the part of each tensor it holds
-        load_weights(par.model, weights, device=device)
-    elif weights is not None:
-        materialize(par.model, device)  # the checkpoint fills it, below
+        load_weights(par.model, built.weights, device=place.device)
+    elif built.weights is not None:
+        materialize(par.model, place.device)  # the checkpoint fills it (restore)
+    built.model = par.model
+    return par
+
+
+def make_optimizer(cfg: Any, place: Place, precision: Precision, par: Parallel) -> Any:
+    """kiln's optimizer over this rank's part of the model, precision's master weights, and
+    the data-parallel side: ZeRO-1/2 or the gradient reducer. Returns the optimizer the step
+    uses (ZeRO's wrapper)."""
+    tc, pc, layout, coords = cfg.train, cfg.parallel, place.layout, place.coords
+    # FSDP2 and tensor parallelism hold DTensors: the optimizer steps them in multi-tensor mode
+    # (there is no one flat arena to slice)
     optimizer = build_optimizer(cfg.optim, par.model, contiguous=None if par.arena else False)
     precision.attach(par.model, optimizer)  # bf16-true: the model becomes bf16, fp32 masters stay
-    if world > 1:
-        if par.arena and dp > 1:  # (FSDP2 and TP kept each rank's part of identical, same-seed weights)
-            broadcast_parameters(optimizer, group=par.dp_group)  # replica 0's weights in every replica
-        # each replica and stage its own dropout masks; the tp ranks of one replica the same
-        # ones, as they hold the same activations
-        torch.manual_seed(tc.seed + coords["dp"] + dp * coords["pp"])
-        # Gradient buckets reduced during the last micro-batch's backward (train_step's
-        # sync_gradients), not after it: not under a pipeline, whose schedule runs many
-        # backwards, nor bf16-true, whose gradients reach the masters only after backward.
-        overlap = (cfg.parallel.overlap_grad_reduce and layout.pp == 1 and precision.masters is None
-                   and getattr(optimizer, "contiguous", False))  # kiln's optimizer, on its arena
-        # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
-        # contiguous shard of every arena; from here on only the wrapper is used
-        optimizer = par.data_parallel(optimizer, overlap=overlap)
-        if dp > 1 and cfg.parallel.zero in (1, 2):
-            if overlap and cfg.parallel.overlap_param_gather and not tc.compile:
-                # (compiled, the per-module waits would break the graphs; evaluation's forward
-                # and the checkpoint's reads wait too)
-                optimizer.overlap_param_gather(par.model)
-            precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
-    return par, optimizer
+    if place.world == 1:
+        return optimizer
+    if par.arena and layout.dp > 1:  # (FSDP2 and TP kept each rank's part of identical, same-seed weights)
+        broadcast_parameters(optimizer, group=par.dp_group)  # replica 0's weights in every replica
+    # each replica and stage its own dropout masks; the tp ranks of one replica the same ones,
+    # as they hold the same activations
+    torch.manual_seed(tc.seed + coords["dp"] + layout.dp * coords["pp"])
+    # Gradient buckets reduced during the last micro-batch's backward (train_step's
+    # sync_gradients), not after it: not under a pipeline, whose schedule runs many backwards,
+    # nor bf16-true, whose gradients reach the masters only after backward; and only on kiln's
+    # arena, whose flat gradient the buckets slice (kiln.optim.ARENA_FEATURES: not required,
+    # left out with no error where there is no arena)
+    overlap = bool(pc.overlap_grad_reduce and layout.pp == 1 and precision.masters is None and has_arena(optimizer))
+    # ZeRO-1/2: each rank keeps the optimizer state (and, stage 2, the gradient) of one
+    # contiguous shard of every arena; from here on only the wrapper is used
+    optimizer = par.data_parallel(optimizer, overlap=overlap)
+    if layout.dp > 1 and pc.zero in (1, 2):
+        if overlap and pc.overlap_param_gather and not tc.compile:
+            # (compiled, the per-module waits would break the graphs; evaluation's forward and
+            # the checkpoint's reads wait too)
+            optimizer.overlap_param_gather(par.model)
+        precision.wrap(optimizer)  # bf16-true: the masters are now stepped through ZeRO
+    return optimizer
 
 
-def _auto_precision(cfg: Any, resumed: Any, model: nn.Module, task: Task, data: Data, layout: Any,
-                    device: torch.device, rank: int, world: int) -> Any:
-    """What ``train.precision=auto`` trains in (:mod:`kiln.precision.auto`): a resumed run's
-    checkpoint's mode, the rule's, or rank 0's measurement of ``model``, given to every rank."""
-    from kiln.precision.auto import CANDIDATES, AutoChoice, rule
-
-    if resumed is not None and resumed[1].get("precision", {}).get("mode") in CANDIDATES:
-        # never measured again: a resumed run goes on in the mode it trained in
-        return AutoChoice(resumed[1]["precision"]["mode"], "checkpoint", f"as {resumed[0].name} trained")
-    ruled = rule(device, whole_model=layout.tp == layout.pp == 1 and cfg.parallel.zero < 3)
-    if ruled is not None:  # the same on every rank
-        return ruled
-    choice = _measure_precision(cfg, model, task, data, layout, device) if rank == 0 else None
-    if world > 1:
-        import torch.distributed as dist
-
-        box = [choice]
-        dist.broadcast_object_list(box, src=0)  # the others wait here while rank 0 measures
-        choice = box[0]
-    return choice
+def step_context(cfg: Any, place: Place, precision: Precision, built: Built, par: Parallel, optimizer: Any,
+                 total_steps: int) -> StepContext:
+    """What a step uses: the stages' results, the learning-rate schedule over ``total_steps``
+    and a fresh :class:`Meter`."""
+    return StepContext(device=place.device, dp=place.layout.dp, precision=precision, task=built.task, par=par,
+                       model=par.model, optimizer=optimizer,
+                       scheduler=build_scheduler(cfg.optim, optimizer, total_steps), meter=Meter(place.device),
+                       clip_grad_norm=cfg.train.clip_grad_norm)
 
 
-def _measure_precision(cfg: Any, model: nn.Module, task: Task, data: Data, layout: Any,
-                       device: torch.device) -> Any:
-    """Forward and backward of ``model`` (the whole model, not yet laid out) on this rank's
-    first micro-batch, in fp32 and bf16-mixed."""
+def restore(run: Run, resumed: Any) -> tuple[int, Batches]:
+    """The run's state: fresh, or exactly where the checkpoint ``resumed`` left off (weights
+    and optimizer state, schedule, loss scale, best evaluation, counters, data position, RNG).
+    Returns the steps done and the batches from there on."""
+    start_step, epoch, in_epoch = 0, 0, 0  # resume point: steps done, epoch, steps into it
+    if resumed is not None:
+        ckpt = resumed[1]
+        # every rank reads its part of each tensor, however this run shards it; into the
+        # arena in place (never assign=True)
+        load_into(resumed[0], run.par.model, run.optimizer, run.precision)
+        run.scheduler.load_state_dict(ckpt["scheduler"])
+        run.precision.load_state_dict(ckpt["precision"])
+        if run.best is not None and ckpt.get("best"):
+            run.best.load_state_dict(ckpt["best"])
+        start_step, epoch, in_epoch = ckpt["step"], ckpt["data"]["epoch"], ckpt["data"]["step"]
+        run.meter.load_state_dict(ckpt)
+    # whole steps of data.batch_size samples; replays the steps of the epoch already done
+    batches = Batches(run.data.train, run.cfg.train.accumulate, run.cfg.data.batch_size, epoch, in_epoch)
+    if resumed is not None:  # after the replay, which may have drawn random numbers
+        per_rank = resumed[1]["rng"]
+        set_rng_state(per_rank[run.rank] if len(per_rank) == run.world else per_rank[0])
+    return start_step, batches
+
+
+def open_run_dir(run: Run, out: RunDir | None, resumed: Any, *, name: str,
+                 run_dir: Path | str | None) -> tuple[RunDir | NullRun, Loggers, Progress]:
+    """The last stage, once everything is built: the run directory (rank 0 creates it, or
+    reopens ``out``, the resumed run's; the other ranks only learn where it is), its
+    config.yaml, summary.json and metrics.csv, the loggers and the progress display. A stop
+    from here on (Ctrl-C included) is recorded in summary.json, as in the loop."""
+    tc, device, precision = run.cfg.train, run.device, run.precision
+    if not run.main:
+        out = NullRun(broadcast_path(None))  # rank 0 alone writes; the others only learn where
+    elif resumed is None:
+        # summary.json says "running" before anything else is in the directory
+        out = RunDir.open(Path(run_dir)) if run_dir is not None else RunDir.create(tc.output_dir, tc.run_name or name)
+    try:
+        if run.main:
+            broadcast_path(out.path)
+            _write_start(run, out, resumed)
+        out.open_metrics(["step", "epoch", "train_loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
+                          "samples_per_second", "mfu", "peak_memory_mb", "wall_seconds",
+                          *(f"eval_{m}" for m in run.task.metric_names())])
+        # rank 0 alone logs; a resumed run continues the logged runs RUN_DIR/loggers.json names
+        loggers = Loggers.open(tc.loggers, out.path, plain(run.cfg), resumed=resumed is not None) if run.main \
+            else Loggers()
+        progress = Progress(run.total_steps, mode=tc.progress if run.main else "none", initial=run.start_step)
+        shown_layout = f", {run.world} processes ({run.layout})" if run.world > 1 else ""
+        shown_precision = f"{precision.mode} (auto)" if precision.auto is not None else precision.mode
+        if precision.auto is not None:
+            progress.message(f"kiln: {precision.auto.line()}")
+        progress.message(f"kiln: {run.parameters:,} parameters on {device}{shown_layout}, {shown_precision}, "
+                         f"steps {run.start_step + 1}..{run.total_steps} -> {out.path}")
+        run.meter.window_start = time.perf_counter()
+        return out, loggers, progress
+    except BaseException as exc:
+        out.stopped(exc)
+        raise
+
+
+def _write_start(run: Run, out: RunDir, resumed: Any) -> None:
+    """Rank 0's config.yaml and summary.json as the run starts or goes on; a resumed run's
+    metrics.csv loses the rows logged after its checkpoint (they come again)."""
+    precision, device = run.precision, run.device
+    if resumed is None:
+        save_config(run.cfg, out.path / CONFIG)
+        out.write_summary(
+            status="running", started_at=_dt.datetime.now().isoformat(timespec="seconds"),
+            kiln_version=__version__, torch_version=torch.__version__, device=str(device),
+            precision=precision.mode, machine=machine_line(), parameters=run.parameters, total_steps=run.total_steps,
+            **({"precision_auto": precision.auto.record()} if precision.auto is not None else {}),
+            **({"precision_fp8": precision.fp8.record()} if precision.fp8 is not None else {}),
+        )
+        return
+    out.truncate_metrics(after_step=run.start_step)
+    save_config(run.cfg, out.path / CONFIG)  # may extend max_steps
+    # train.device may change on resume (RESUMABLE_CHANGES): the summary names where it goes on
+    out.write_summary(status="running", total_steps=run.total_steps, precision=precision.mode, device=str(device),
+                      machine=machine_line(),
+                      resumed=[*out.summary.get("resumed", []), {"from": str(resumed[0]), "step": run.start_step}])
+
+
+def _watchers(tc: Any) -> dict[str, EarlyStopping | None]:
+    """``best`` (tracks the best evaluation, for checkpoints/best) and ``stopper`` (the same
+    object, when early stopping is on)."""
+    stopper = EarlyStopping(**tc.early_stopping) if tc.early_stopping is not None else None
+    return {"best": stopper or (EarlyStopping("eval_loss") if tc.checkpoint_every else None), "stopper": stopper}
+
+
+def _measure_precision(cfg: Any, place: Place, built: Built, data: Data) -> Any:
+    """Forward and backward of the built model (the whole model, not yet laid out) on this
+    rank's first micro-batch, in fp32 and bf16-mixed."""
     from kiln.precision.auto import AutoChoice, choose_for_model, same_random
     from kiln.train._tasks import micro_batch_loss, to_device
 
-    tc = cfg.train
-    micro = max(1, cfg.data.batch_size // (tc.accumulate * layout.dp))
+    tc, model, device = cfg.train, built.model, place.device
+    micro = max(1, cfg.data.batch_size // (tc.accumulate * place.layout.dp))
     with same_random():  # a loader's workers draw their seeds from torch's stream
         batch = _first_batch(data.train, micro)
     if batch is None:
@@ -396,8 +519,9 @@ def _measure_precision(cfg: Any, model: nn.Module, task: Task, data: Data, layou
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.02) if p.is_floating_point() else p.zero_()
-    extra = f"loss={task.kind}|ac={tc.activation_checkpointing},{tc.ac_every}|compile={tc.compile}"
-    return choose_for_model(model, lambda: micro_batch_loss(task, model, batch), device, batch=batch, extra=extra)
+    extra = f"loss={built.task.kind}|ac={tc.activation_checkpointing},{tc.ac_every}|compile={tc.compile}"
+    return choose_for_model(model, lambda: micro_batch_loss(built.task, model, batch), device, batch=batch,
+                            extra=extra)
 
 
 def _first_batch(loader: Any, size: int) -> Any:

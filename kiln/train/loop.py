@@ -42,7 +42,7 @@ from kiln.train.heartbeat import beat
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
 from kiln.train.run_dir import CHECKPOINTS, raise_if_stopped, stopped_by
-from kiln.train._setup import Run, peak_memory_mb, setup
+from kiln.train._setup import Run, StepContext, peak_memory_mb, setup
 from kiln.train._tasks import evaluate, loss_parts, micro_batch_loss, to_device
 
 __all__ = ["RunResult", "peak_memory_mb", "train", "train_step"]
@@ -87,13 +87,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                     loss, grad_norm = train_step(run, batch)
             raise_if_stopped()
             if step == run.start_step + 1 and (compiled or step < run.total_steps):
-                # A process's first step is warm-up, reported apart (speed and the ETA start after
-                # it): the compile, oneDNN's bf16 kernels built for each new shape on a CPU, first
-                # allocations, the FLOP count. A plain loop's per-step time leaves it out too.
-                run.first_step_seconds = time.perf_counter() - started
-                run.compile_seconds = run.first_step_seconds if compiled else None
-                run.meter.restart_clock()
-                run.progress.restart_clock(step)
+                _warmed_up(run, step, time.perf_counter() - started, compiled)  # timed apart
             run.meter.window_loss += loss
             run.meter.window_steps += 1
 
@@ -137,20 +131,21 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             dist.destroy_process_group()
 
 
-def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+def train_step(ctx: StepContext, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on this rank; returns the step's mean loss (a detached 0-d tensor,
-    not yet averaged over ranks) and the gradient norm before clipping (None without clipping)."""
-    precision, par, optimizer, dp = run.precision, run.par, run.optimizer, run.layout.dp
+    not yet averaged over ranks) and the gradient norm before clipping (None without clipping).
+    ``ctx``: what the step uses (a :class:`Run` is one; ``kiln plan`` builds one alone)."""
+    precision, par, optimizer, dp = ctx.precision, ctx.par, ctx.optimizer, ctx.dp
     loss_sum = None
     # Each micro-batch's mean loss is divided by its part of the step: by its share of the
     # step's samples, or, for a loss over tokens (padding, -100 labels), of the positions the
     # whole step scores over every rank, so that the sum over micro-batches (averaged over dp)
     # is the mean over the step, as one big batch would give.
-    parts = loss_parts(run.task, step.micro, step.samples, dp, par.sum_over_dp, run.device)
+    parts = loss_parts(ctx.task, step.micro, step.samples, dp, par.sum_over_dp, ctx.device)
     # 1. forward and backward of each micro-batch; gradients accumulate locally, except that the
     #    last backward starts reducing each bucket of gradients over dp as soon as it is complete
     for i, batch in enumerate(step.micro):  # a tuple (inputs, targets, ...) or a mapping (HF: input_ids, ...)
-        batch = to_device(batch, run.device, precision.input_dtype)
+        batch = to_device(batch, ctx.device, precision.input_dtype)
         if par.pipeline is not None:  # the schedule runs forward and backward of its micro-batches
             if isinstance(batch, Mapping):
                 raise TypeError("a pipeline (parallel.pp > 1) takes batches (inputs, targets); this data gives "
@@ -161,7 +156,7 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
             with par.loss_context():  # (tensor parallel's loss_parallel holds over the backward too)
                 with precision.autocast():  # the forward and the loss; backward runs in the
                     # dtypes the forward saved, outside autocast, as torch.amp prescribes
-                    loss = _divided(micro_batch_loss(run.task, run.model, batch), parts[i])
+                    loss = _divided(micro_batch_loss(ctx.task, ctx.model, batch), parts[i])
                 with par.sync_gradients(last=i == len(step.micro) - 1):
                     precision.backward(loss)  # fp16: backward of the scaled loss
         value = par.value(loss)
@@ -174,12 +169,12 @@ def train_step(run: Run, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]
     precision.unscale(optimizer)  # fp16: gradients / scale, non-finite check over all ranks
     # 3. clip, step, zero
     grad_norm = None
-    if run.clip_grad_norm is not None:  # the norm over every shard, stage and rank
-        grad_norm = par.clip(optimizer, run.clip_grad_norm)
+    if ctx.clip_grad_norm is not None:  # the norm over every shard, stage and rank
+        grad_norm = par.clip(optimizer, ctx.clip_grad_norm)
     if precision.step(optimizer):  # False: fp16 overflow, step skipped, nothing changed
-        run.scheduler.step()
+        ctx.scheduler.step()
     precision.zero_grad(optimizer)  # kiln's optimizers: one memset of the flat gradient
-    run.meter.samples_seen += step.samples
+    ctx.meter.samples_seen += step.samples
     return loss_sum, grad_norm
 
 
@@ -187,6 +182,16 @@ def _divided(loss: torch.Tensor, part: Any) -> torch.Tensor:
     """``loss / part``; a part of exactly 1 (one micro-batch of the whole step, as most runs
     take) divides by nothing, as ``x / 1.0 == x`` bit for bit."""
     return loss if isinstance(part, (int, float)) and part == 1 else loss / part
+
+
+def _warmed_up(run: Run, step: int, seconds: float, compiled: bool) -> None:
+    """A process's first step is warm-up, reported apart (speed and the ETA start after it): the
+    compile, oneDNN's bf16 kernels built for each new shape on a CPU, first allocations, the FLOP
+    count. A plain loop's per-step time leaves it out too."""
+    run.first_step_seconds = seconds
+    run.compile_seconds = seconds if compiled else None
+    run.meter.restart_clock()
+    run.progress.restart_clock(step)
 
 
 def _train_metrics(run: Run, lr: float, grad_norm: torch.Tensor | None) -> dict[str, Any]:
