@@ -58,6 +58,10 @@ class Layout:
         dp_rank, tp_rank = divmod(rest, self.tp)
         return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
 
+    def as_json(self) -> dict[str, int]:
+        """The sizes, as summary.json and kiln plan --json write them."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "replicate": self.replicate}
+
     def __str__(self) -> str:
         dp = f"{self.dp} ({self.replicate} replicas x {self.shard} shards)" if self.replicate > 1 else self.dp
         return f"dp={dp} x tp={self.tp} x pp={self.pp}"
