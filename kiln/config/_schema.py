@@ -156,7 +156,7 @@ class ParallelConfig:
     # ZeRO over the data-parallel ranks: 0 replicated; 1 shard the optimizer state; 2 and the
     # gradients (both on kiln's arena); 3 and the parameters (FSDP2, multi-tensor optimizer)
     zero: Literal[0, 1, 2, 3] = 0
-    # HSDP (zero=3 only): the dp ranks form replicate groups of dp / replicate neighbouring ranks;
+    # HSDP (zero=3 only): the dp ranks form this many groups of dp / replicate neighbouring ranks;
     # FSDP2 shards parameters, gradients and optimizer state over the ranks of a group (one machine's
     # fast links) and all-reduces gradients across the groups (the slow links); 1: shard over all dp
     replicate: int = 1
