@@ -143,7 +143,8 @@ def measure(quick: bool = False) -> Result:
                 r["bytes_per_param"], 16 / shards * 1.02)
     mb = 2.0**-20
     cols = [Col("dp", "dp"), Col("stage", "stage"), Col("replicas", "replicate"),
-            Col("params MB", lambda r: r["param_bytes"] * mb, ".2f"), Col("grads MB", lambda r: r["grad_bytes"] * mb, ".2f"), Col("state MB", lambda r: r["state_bytes"] * mb, ".2f"),
+            Col("params MB", lambda r: r["param_bytes"] * mb, ".2f"),
+            Col("grads MB", lambda r: r["grad_bytes"] * mb, ".2f"), Col("state MB", lambda r: r["state_bytes"] * mb, ".2f"),
             Col("total MB", lambda r: (r["param_bytes"] + r["grad_bytes"] + r["state_bytes"]) * mb, ".2f"),
             Col("B/param", "bytes_per_param", ".2f"), Col("paper B/param", "paper_bytes_per_param", ".2f"),
             Col("(g+s)/stage0", "gs_vs_stage0", ".3f"), Col("target", "target", ".3f"), Col("step ms", "step_ms", ".1f")]

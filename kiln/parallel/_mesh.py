@@ -25,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Layout", "resolve_layout", "check_replicate", "build_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS", "HSDP_DIMS"]
+__all__ = ["Layout", "resolve_layout", "check_replicate", "build_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS",
+           "HSDP_DIMS"]
 
 MESH_DIMS = ("pp", "dp", "tp")
-HSDP_DIMS = ("pp", "replicate", "shard", "tp")  # the mesh built when replicate > 1; "dp" is flattened from the middle two
+HSDP_DIMS = ("pp", "replicate", "shard", "tp")  # replicate > 1; "dp" is the middle two flattened
 
 
 @dataclass(frozen=True)
