@@ -62,7 +62,7 @@ def test_gpt_in_tp2_x_pp2_trains_like_one_process_and_checkpoints_move_between_t
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4"]
     one = _train(tmp_path, "one", GPT, *common)
     four = _train(tmp_path, "four", GPT, "--nproc", "4", *common, *layout)
-    assert four["layout"] == {"dp": 1, "tp": 2, "pp": 2} and four["processes"] == 4
+    assert four["layout"] == {"dp": 1, "tp": 2, "pp": 2, "replicate": 1} and four["processes"] == 4
     assert four["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
     assert four["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-5)
     _assert_same_model(_final_weights(one), _final_weights(four))  # written by 4 ranks, read whole

@@ -199,7 +199,8 @@ def test_zero_rejects_bad_layout():
 
 def test_bench_zero_quick(tmp_path):
     """``kiln bench zero`` (quick): measured per-rank bytes equal the ZeRO paper's formulas up
-    to the arena's alignment padding, and stage 2 meets its target at dp=2 and dp=4."""
+    to the arena's alignment padding (HSDP's, with S = dp / replicas in place of dp), and stage 2
+    meets its target at dp=2 and dp=4."""
     from kiln.bench import BENCHMARKS, run_benchmark
 
     assert "zero" in BENCHMARKS
@@ -207,7 +208,12 @@ def test_bench_zero_quick(tmp_path):
     assert report["target_met"]
     assert (tmp_path / "zero.json").exists() and (tmp_path / "zero.png").exists()
     rows = report["rows"]
-    assert {(r["dp"], r["stage"]) for r in rows} == {(d, s) for d in (2, 4) for s in (0, 1, 2, 3)}
+    assert sorted((r["dp"], r["stage"], r["replicate"]) for r in rows) == sorted(
+        [(d, s, 1) for d in (2, 4) for s in (0, 1, 2, 3)] + [(4, 3, 2)])
+    # HSDP 2 x 2 holds what FSDP2 over 2 ranks holds, twice what FSDP2 over all 4 does
+    by = {(r["dp"], r["stage"], r["replicate"]): r for r in rows}
+    total = {k: r["param_bytes"] + r["grad_bytes"] + r["state_bytes"] for k, r in by.items()}
+    assert total[4, 3, 2] == total[2, 3, 1] == pytest.approx(2 * total[4, 3, 1], rel=0.02)
     for r in rows:
         parts = [r["param_bytes"], r["grad_bytes"], r["state_bytes"]]
         for got, per_param in zip(parts, r["paper_parts"]):

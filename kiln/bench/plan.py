@@ -63,7 +63,7 @@ _SMALL = {  # family -> overrides for a model of one block a stage, and short se
 def row(family: str, precision: str = "fp32", ac: str = "none", micro: int = 4, world: int = 1, *,
         small: bool = False, overrides: tuple[str, ...] = (), **parallel: Any) -> dict[str, Any]:
     """One configuration of the grid: ``micro`` samples per micro-batch on each data-parallel
-    rank, ``parallel`` keys (``zero``, ``tp``, ``pp``, ``pp_schedule``); ``small``: one or two
+    rank, ``parallel`` keys (``zero``, ``replicate``, ``tp``, ``pp``, ``pp_schedule``); ``small``: one or two
     blocks and short sequences (the fast tier's test); ``overrides``: further config keys."""
     layout = ", ".join(f"{k}={v}" for k, v in parallel.items()) or "-"
     label = f"{family} {precision} ac={ac} micro={micro}" + (f" x{world} {layout}" if world > 1 else "")
@@ -82,6 +82,7 @@ GRID: list[dict[str, Any]] = [
     row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule="gpipe"),
     row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule="1f1b"),
     row("gpt", "fp32", "none", 4, 4, tp=2, pp=2),
+    row("gpt", "fp32", "none", 4, 4, zero=3, replicate=2),  # HSDP: 2 replicas of 2 shards
     row("hf-llama", "fp32", "none", 4, 2, zero=2),
     row("hf-llama", "fp32", "none", 4, 2, tp=2),
     row("bert", "bf16-mixed", "full", 4, 2, zero=3),

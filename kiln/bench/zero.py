@@ -1,6 +1,7 @@
 """``kiln bench zero``: bytes each rank holds for parameters, gradients and optimizer state
 under data parallel (zero 0), ZeRO stages 1 and 2 (kiln's arena) and stage 3 (FSDP2), at dp=2
-and dp=4, with AdamW in fp32.
+and dp=4, and HSDP at dp=4 (stage 3 with ``parallel.replicate=2``: two replicas of two shards),
+with AdamW in fp32.
 
 Measured, not computed: after two training steps (between steps, after ``zero_grad``, where
 the forward pass of the next step would run) each rank sums ``untyped_storage().nbytes()``
@@ -15,9 +16,11 @@ the parameters), per parameter for P parameters and N ranks::
 
     stage 0: 4 + 4 + 8 = 16       stage 1: 4 + 4 + 8/N
     stage 2: 4 + 12/N              stage 3: 16/N   (FSDP2)
+    HSDP, R replicas of S = N/R:   16/S            (stage 3 within a group, replicated across)
 
 Target: at stage 2 a rank's gradient + optimizer-state bytes are at most (1/dp + 5%) of
-stage 0's. Measured bytes exceed the formulas only by the arena's alignment padding.
+stage 0's; HSDP's bytes follow 16/S (within 2%), not 16/N. Measured bytes exceed the formulas
+only by the arena's alignment padding.
 
     python -c "from kiln.bench import run_benchmark; run_benchmark('zero')"
 """
@@ -60,9 +63,11 @@ def _train(model: nn.Module, step: Callable[[], None], rank: int, width: int, st
     return median(times[1:] or times) * 1e3
 
 
-def _row(stage: int, world: int, rank: int, model: nn.Module, grads: list, state: list, ms: float) -> dict[str, Any]:
+def _row(stage: int, world: int, rank: int, model: nn.Module, grads: list, state: list, ms: float,
+         replicate: int = 1) -> dict[str, Any]:
     params = list(model.parameters())
-    return {"dp": world, "stage": stage, "rank": rank, "n_params": sum(p.numel() for p in params),
+    return {"dp": world, "stage": stage, "replicate": replicate, "rank": rank,
+            "n_params": sum(p.numel() for p in params),
             "param_bytes": held_bytes(params), "grad_bytes": held_bytes(grads), "state_bytes": held_bytes(state),
             "step_ms": ms}
 
@@ -80,24 +85,32 @@ def _worker(rank: int, world: int, width: int, depth: int, steps: int) -> list[d
         ms = _train(model, lambda: (zero.step(), zero.zero_grad()), rank, width, steps)
         rows.append(_row(stage, world, rank, model, zero.grad_buffers(), zero.state_tensors(), ms))
         del zero, opt, model
-    rows.append(_fsdp_row(rank, world, width, depth, steps))
+    for replicate in HSDP.get(world, (1,)):
+        rows.append(_fsdp_row(rank, world, width, depth, steps, replicate))
     return rows
 
 
-def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int) -> dict[str, Any]:
-    """Stage 3: FSDP2 ``fully_shard`` on every Linear and the root, kiln's AdamW stepping the
-    local shards (multi-tensor mode)."""
+HSDP = {4: (1, 2)}  # dp -> replicas of the stage 3 rows (1: FSDP2 over all dp ranks; 2: HSDP 2 x 2)
+
+
+def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int, replicate: int) -> dict[str, Any]:
+    """Stage 3: FSDP2 ``fully_shard`` on every Linear and the root, on kiln's mesh for
+    ``replicate`` replicas (HSDP when > 1), kiln's AdamW stepping the local shards (multi-tensor mode)."""
     import kiln.optim as ko
     from torch.distributed.fsdp import fully_shard
 
+    from kiln.parallel import Layout, build_mesh, fsdp_mesh
+
+    layout = Layout(dp=world, replicate=replicate)
+    mesh = fsdp_mesh(build_mesh(layout), layout)
     model = _model(width, depth)
     for m in model:
         if isinstance(m, nn.Linear):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = ko.AdamW(model.parameters(), lr=1e-3, contiguous=False)
     ms = _train(model, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), rank, width, steps)
-    return _row(3, world, rank, model, opt.grad_buffers(), opt.state_tensors(), ms)
+    return _row(3, world, rank, model, opt.grad_buffers(), opt.state_tensors(), ms, replicate)
 
 
 def measure(quick: bool = False) -> Result:
@@ -108,13 +121,13 @@ def measure(quick: bool = False) -> Result:
     rows: list[dict[str, Any]] = []
     for dp in (2, 4):
         per_rank = run_distributed(_worker, dp, width, depth, steps)
-        for stage in (0, 1, 2, 3):
-            mine = [r for ranks in per_rank for r in ranks if r["stage"] == stage]
+        for stage, replicate in [(0, 1), (1, 1), (2, 1), *((3, r) for r in HSDP.get(dp, (1,)))]:
+            mine = [r for ranks in per_rank for r in ranks if (r["stage"], r["replicate"]) == (stage, replicate)]
             # the largest rank (all equal here: equal shards) is what must fit on a device
             row = max(mine, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["state_bytes"])
             rows.append({**{k: v for k, v in row.items() if k != "rank"}, "step_ms": median(r["step_ms"] for r in mine)})
     for r in rows:
-        p, g, s = FORMULA[r["stage"]](r["dp"])
+        p, g, s = FORMULA[r["stage"]](r["dp"] // r["replicate"])  # (HSDP: sharded over one group's S ranks)
         r["paper_bytes_per_param"] = p + g + s
         r["paper_parts"] = [p, g, s]
         base = next(b for b in rows if b["dp"] == r["dp"] and b["stage"] == 0)
@@ -123,21 +136,32 @@ def measure(quick: bool = False) -> Result:
         r["target"] = 1 / r["dp"] + 0.05 if r["stage"] == 2 else None
     targets = {f"dp={r['dp']} stage 2: grads + state <= 1/dp + 5% of stage 0's": target(r["gs_vs_stage0"], r["target"])
                for r in rows if r["stage"] == 2}
+    for r in rows:
+        if r["replicate"] > 1:
+            shards = r["dp"] // r["replicate"]
+            targets[f"dp={r['dp']} HSDP {r['replicate']} x {shards}: bytes/param <= 16/{shards} + 2%"] = target(
+                r["bytes_per_param"], 16 / shards * 1.02)
     mb = 2.0**-20
-    cols = [Col("dp", "dp"), Col("stage", "stage"), Col("params MB", lambda r: r["param_bytes"] * mb, ".2f"),
+    cols = [Col("dp", "dp"), Col("stage", "stage"), Col("replicas", "replicate"),
+            Col("params MB", lambda r: r["param_bytes"] * mb, ".2f"),
             Col("grads MB", lambda r: r["grad_bytes"] * mb, ".2f"), Col("state MB", lambda r: r["state_bytes"] * mb, ".2f"),
             Col("total MB", lambda r: (r["param_bytes"] + r["grad_bytes"] + r["state_bytes"]) * mb, ".2f"),
             Col("B/param", "bytes_per_param", ".2f"), Col("paper B/param", "paper_bytes_per_param", ".2f"),
             Col("(g+s)/stage0", "gs_vs_stage0", ".3f"), Col("target", "target", ".3f"), Col("step ms", "step_ms", ".1f")]
     per_param = {name: lambda r, k=key: r[k] / r["n_params"] for name, key in
                  (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer state", "state_bytes"))}
-    chart = [Bars("bytes per parameter, per rank", rows, lambda r: f"dp={r['dp']} zero {r['stage']}", per_param,
+    chart = [Bars("bytes per parameter, per rank", rows, _label, per_param,
                   "bytes per parameter", stacked=True, marks={"ZeRO paper formula": "paper_bytes_per_param"})]
     report = {"model": {"width": width, "depth": depth, "n_params": rows[0]["n_params"], "optimizer": "AdamW fp32"},
               "rows": rows, "target_met": all(t["met"] for t in targets.values())}
     # each rank runs one thread (bytes do not depend on it)
     return Result(report, [Table(rows, cols)], f"per-rank memory, AdamW fp32, {rows[0]['n_params'] / 1e6:.2f} M "
                   "parameters", chart, targets, threads=1, processes=4)
+
+
+def _label(r: dict[str, Any]) -> str:
+    hsdp = f" HSDP {r['replicate']}x{r['dp'] // r['replicate']}" if r["replicate"] > 1 else ""
+    return f"dp={r['dp']} zero {r['stage']}{hsdp}"
 
 
 run = benchmark("zero", measure)

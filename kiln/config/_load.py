@@ -603,6 +603,17 @@ def _validate_cross(cfg: dict[str, Any]) -> None:
     dp = cfg["parallel"]["dp"]
     if dp is not None and dp < 1:
         raise ConfigError(f"parallel.dp={dp} must be at least 1")
+    replicate, zero = cfg["parallel"]["replicate"], cfg["parallel"]["zero"]
+    if replicate < 1:
+        raise ConfigError(f"parallel.replicate={replicate} must be at least 1")
+    if replicate > 1 and zero in (1, 2):
+        # the arena's shards would need a second collective (across replicas) after the reduce-scatter,
+        # in the overlapped reducer, the clip and the checkpoints: not built
+        raise ConfigError(f"parallel.replicate={replicate} (HSDP) with parallel.zero={zero} is not supported: HSDP "
+                          "shards with FSDP2; use parallel.zero=3, or parallel.replicate=1")
+    if replicate > 1 and zero == 0:
+        raise ConfigError(f"parallel.replicate={replicate} (HSDP) shards within each replica group with FSDP2; set "
+                          "parallel.zero=3 (or parallel.replicate=1 for plain data parallel)")
     if cfg["parallel"]["timeout_s"] <= 0:
         raise ConfigError(f"parallel.timeout_s={cfg['parallel']['timeout_s']} must be positive")
 

@@ -158,6 +158,10 @@ class ParallelConfig:
     # ZeRO over the data-parallel ranks: 0 replicated; 1 shard the optimizer state; 2 and the
     # gradients (both on kiln's arena); 3 and the parameters (FSDP2, multi-tensor optimizer)
     zero: Literal[0, 1, 2, 3] = 0
+    # HSDP (zero=3 only): the dp ranks form this many groups of dp / replicate neighbouring ranks;
+    # FSDP2 shards parameters, gradients and optimizer state over the ranks of a group (one machine's
+    # fast links) and all-reduces gradients across the groups (the slow links); 1: shard over all dp
+    replicate: int = 1
     sequence_parallel: bool = False  # tp > 1: norms and dropout run on sequence shards
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: Optional[int] = None  # pp > 1: micro-batches per pipeline step; None: 2 * pp

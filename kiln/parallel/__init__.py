@@ -21,7 +21,8 @@
 - :func:`clip_grad_norm_` (``kiln.optim.clip_grad_norm_``): the global norm over any mix of
   plain, arena, ZeRO-shard, tensor-parallel and FSDP2 gradients and pipeline stages.
 - :class:`Layout` and :func:`parallelize`: a model laid out over ``dp x tp x pp`` ranks in one
-  call (stages, then tensor parallel, then FSDP2 over dp), as the trainer does it;
+  call (stages, then tensor parallel, then FSDP2 over dp, or HSDP: ``Layout.replicate`` groups,
+  :func:`fsdp_mesh`), as the trainer does it;
   :func:`check_parallel_config`: a config's layout checked against its model and batch
   before anything is built.
 - :func:`save_sharded` / :func:`load_sharded`: DCP checkpoints keyed per parameter (FQN) that
@@ -41,6 +42,7 @@ from kiln.optim import clip_grad_norm_  # the one global-norm clip, for every la
 _LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp", "check_tp": "_tp",
          "build_pipeline": "_pp", "check_pipeline": "_pp", "parallelize": "_layout", "Parallel": "_layout",
          "stage_elements": "_layout", "Layout": "_mesh", "resolve_layout": "_mesh", "build_mesh": "_mesh",
+         "dp_mesh": "_mesh", "fsdp_mesh": "_mesh",
          "check_parallel_config": "_checks",
          "save_sharded": "_checkpoint", "load_sharded": "_checkpoint", "read_sharded": "_checkpoint",
          "check_sharded": "_checkpoint", "META_FILE": "_checkpoint"}
@@ -57,5 +59,6 @@ def __getattr__(name: str) -> Any:
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "broadcast_parameters", "all_reduce_gradients", "sync_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
            "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Parallel",
-           "stage_elements", "Layout", "resolve_layout", "build_mesh", "check_parallel_config",
+           "stage_elements", "Layout", "resolve_layout", "build_mesh", "dp_mesh", "fsdp_mesh",
+           "check_parallel_config",
            "save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]

@@ -32,7 +32,9 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
                root_reshard_after_forward: bool | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (``fully_shard`` on each repeated block, then on the
     root) and return it. ``mesh``: a 1-D ``DeviceMesh`` (default: all ranks on the
-    model's device type); ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g.
+    model's device type), or a 2-D one ``("replicate", "shard")`` for HSDP (sharded over the
+    second dimension, gradients all-reduced over the first: ``kiln.parallel.fsdp_mesh``);
+    ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (e.g.
     ``param_dtype=torch.bfloat16``). ``root_reshard_after_forward``: the root's own choice
     (default: ``reshard_after_forward``); False keeps its parameters gathered from its forward
     to its backward, for a loss that reads them after the forward (the chunked LM loss reads

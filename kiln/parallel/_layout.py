@@ -2,7 +2,8 @@
 
 The order is torchtitan's: cut pipeline stages (``pp``), shard each stage's matmuls over the
 tensor-parallel ranks (``tp``), then, with ``zero=3``, shard what is left over the
-data-parallel ranks with FSDP2. What comes back, :class:`Parallel`, is what the trainer needs
+data-parallel ranks with FSDP2 (HSDP, ``layout.replicate > 1``: over the ranks of each replica
+group, gradients all-reduced across the groups). What comes back, :class:`Parallel`, is what the trainer needs
 whatever the layout:
 
 - ``model``: this rank's part of the model under the whole model's parameter names (all of it
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from kiln.optim import NO_ARENA
-from kiln.parallel._mesh import Layout, build_mesh
+from kiln.parallel._mesh import Layout, build_mesh, dp_mesh, fsdp_mesh
 
 __all__ = ["Parallel", "parallelize", "stage_elements"]
 
@@ -48,7 +49,7 @@ class Parallel:
         self.reduce: Callable[[], None] | None = None  # averages the gradients over dp (data_parallel)
         self.reducer: Any = None
         self.tp = layout.tp > 1
-        self.dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
+        self.dp_group = dp_mesh(mesh, layout).get_group() if mesh is not None and layout.dp > 1 else None
         self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
 
     @property
@@ -250,7 +251,7 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
         for m in modules:
             # the chunked loss reads the output projection's weight after the forward: the root's
             # parameters (the head's among them) stay gathered until its backward
-            apply_fsdp(m, mesh=mesh["dp"], root_reshard_after_forward=False if chunked_head else None)
+            apply_fsdp(m, mesh=fsdp_mesh(mesh, layout), root_reshard_after_forward=False if chunked_head else None)
     if pipeline is None:
         view = model
     else:

@@ -269,7 +269,7 @@ class Plan:
         return {"ranks": [r.as_json() for r in self.ranks], "fullest_rank": self.fullest_rank,
                 "peak_bytes": self.peak_bytes, "reserve_bytes": self.reserve_bytes,
                 "flops_per_step": self.flops_per_step,
-                "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}, "world": layout.world,
+                "layout": layout.as_json(), "world": layout.world,
                 "precision": self.precision, "device": self.device, "trace_seconds": round(self.seconds, 3)}
 
 
@@ -806,7 +806,7 @@ def check_fits(cfg: Any, world: int) -> None:
     except Exception:  # noqa: BLE001  (the run builds it for real, and says what is wrong then)
         return
     layout, pc = check_parallel_config(cfg, world), cfg.parallel
-    per_rank = params / (layout.tp * layout.pp * (layout.dp if pc.zero == 3 else 1))
+    per_rank = params / (layout.tp * layout.pp * (layout.shard if pc.zero == 3 else 1))  # (HSDP: one group's ranks)
     states = per_rank * 4 * (2 + _state_tensors(cfg.optim))  # fp32 weight, gradient, each state tensor
     if states < budget * PREFLIGHT_SHARE:
         return

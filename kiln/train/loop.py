@@ -271,7 +271,7 @@ def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
         samples_per_second=speed, **run.mfu.summary(speed),
         peak_memory_mb=peak_memory_mb(run.device), peak_tensor_memory_mb=run.memory.peak_mb(run.world),
         wall_seconds=m.wall_seconds(),
-        processes=run.world, layout={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+        processes=run.world, layout=layout.as_json(),
         first_step_seconds=run.first_step_seconds, compile_seconds=run.compile_seconds,
         skipped_steps=scaler.skipped_steps if scaler else 0,
         stopped_early=bool(stopped),
