@@ -182,3 +182,25 @@ def test_precision_defaults_to_auto_and_lists_it():
     assert load_config(MLP, ["train.precision=fp32"]).train.precision == "fp32"
     msg = _error(MLP, ["train.precision=bf16"])
     assert "train.precision" in msg and "'auto'" in msg and "'bf16-mixed'" in msg
+
+
+def test_train_compile_auto_compiles_on_a_gpu_only_and_never_under_a_pipeline(monkeypatch):
+    """train.compile=auto becomes a bool when the config is read: true for train.device=cuda (or
+    auto with CUDA present), false on a CPU, with parallel.pp > 1 or parallel.auto."""
+    import torch
+
+    from kiln.config import load_config
+
+    gpt = str(Path(__file__).resolve().parents[1] / "configs" / "gpt_tiny.py")
+
+    def compiled(*overrides: str) -> bool:
+        return load_config(gpt, ["train.compile=auto", *overrides]).train.compile
+
+    assert compiled("train.device=cpu") is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compiled("train.device=auto") is True and compiled("train.device=cuda") is True
+    assert compiled("train.device=cuda", "parallel.pp=2") is False
+    assert compiled("train.device=cuda", "parallel.auto=true") is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compiled("train.device=auto") is False
+    assert load_config(gpt, []).train.compile is False  # the default stays off

@@ -103,7 +103,9 @@ class TrainConfig:
     # dotted path of the model's repeated blocks (e.g. transformer.h); None: found by kiln, the
     # largest ModuleList or Sequential of children of one type
     ac_blocks: Optional[str] = None
-    compile: bool = False  # torch.compile the model (inductor C++ on CPU, Triton on GPU)
+    # torch.compile the model (inductor C++ on CPU, Triton on GPU); auto: on a GPU (CUDA), not on
+    # a CPU, nor under a pipeline or parallel.auto (config.yaml records what auto became)
+    compile: Union[bool, Literal["auto"]] = False
     # measure the peak of live tensor memory over the first two steps (summary.json's
     # peak_tensor_memory_mb: the CUDA allocator's, or on CPU the profiler's record of every
     # allocation); false: not measured (null), no profiler
