@@ -74,12 +74,15 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import kiln.optim
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark
 from kiln._profiling import profiled
 from kiln.bench._profile import comm_seconds
 from kiln.bench._rss import Rss, held_bytes
+from kiln.parallel import Layout, parallelize
 
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
 
@@ -151,11 +154,6 @@ def _tiny(settings: dict[str, Any]) -> dict[str, Any]:
 
 def _run_model(rank: int, layout_dims: tuple[int, int, int], name: str, s: dict[str, Any], rss: Rss) -> dict[str, Any]:
     """Build ``name``, lay it out, train warm-up, timed and profiled steps; this rank's numbers."""
-    import torch.distributed as dist
-
-    import kiln.optim
-    from kiln.parallel import Layout, parallelize
-
     rss_start = rss.restart()
     clock = [time.perf_counter()]
     layout = Layout(*layout_dims)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 EXIT_USAGE = 2
 
@@ -137,7 +137,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kiln {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_train(sub)
+    _add_bench(sub)
+    _add_plan(sub)
+    _add_tune(sub)
+    _add_report(sub)
+    _add_export(sub)
+    _add_doctor(sub)
+    return parser
 
+
+def _add_train(sub: Any) -> None:
+    """``kiln train``: a config, its overrides, --resume, --nproc, --max-restarts."""
     train = sub.add_parser(
         "train", help="train from a config", description=_TRAIN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -156,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
                        "after a failure; training resumes from the run's last checkpoint")
     train.set_defaults(func=_cmd_train)
 
+
+def _add_bench(sub: Any) -> None:
+    """``kiln bench``: a benchmark by name and the options some of them take."""
     bench = sub.add_parser(
         "bench", help="run a benchmark against plain PyTorch",
         description="Run a benchmark that measures a kiln claim against the plain PyTorch way "
@@ -171,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="output folder (default: bench_results/NAME)")
     bench.add_argument("--family", metavar="F[,F]", help="parallel only: model families to lay out, among gpt, "
                        "bert and llama (a Hugging Face Llama of the GPT's size); default gpt,bert")
-    bench.add_argument("--device", metavar="D", help="optimizer, encoder-layer, hf, plan, vit, ddp and gpu: run on D, "
+    bench.add_argument("--device", metavar="D", help="lm, overhead, optimizer, encoder-layer, hf, plan, vit, ddp and gpu: run on D, "
                        "cpu (default; gpu: cuda) or cuda (ddp: two GPUs); the JSON records the GPU")
     bench.add_argument("--hidden", type=int, metavar="N", help="encoder-layer only: the layer's width, FFN 4N, 16 heads "
                        "(default 128, the article's; 1024: Transformer-big)")
@@ -179,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
                        "article's data parallel; 1 on cuda)")
     bench.set_defaults(func=_cmd_bench)
 
+
+def _add_plan(sub: Any) -> None:
+    """``kiln plan``: what a config builds and every rank's memory, without training."""
     plan = sub.add_parser(
         "plan", help="show what a config builds, without training", description=_PLAN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -194,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
                       "this machine's available memory divided among the processes)")
     plan.set_defaults(func=_cmd_plan)
 
+
+def _add_tune(sub: Any) -> None:
+    """``kiln tune``: time candidate settings, or search layouts under a memory budget."""
     tune = sub.add_parser(
         "tune", help="find the fastest settings on this machine (with --memory-budget: the fastest layout that fits)",
         description=_TUNE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -218,6 +238,9 @@ def _parser() -> argparse.ArgumentParser:
                       "predicted_peak_bytes, measured_peak_bytes, samples_per_second) as JSON")
     tune.set_defaults(func=_cmd_tune)
 
+
+def _add_report(sub: Any) -> None:
+    """``kiln report``: several runs' curves in one picture and their summaries in one table."""
     report = sub.add_parser(
         "report", help="compare runs: curves in one picture, summaries in one table",
         description="Plot the train loss, eval loss and eval accuracy of several runs in one "
@@ -229,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="PNG", default="report.png", help="picture to write (default: report.png)")
     report.set_defaults(func=_cmd_report)
 
+
+def _add_export(sub: Any) -> None:
+    """``kiln export``: a run's model at a checkpoint for Hugging Face."""
     export = sub.add_parser(
         "export", help="write a run's model at a checkpoint for Hugging Face from_pretrained",
         description=_EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -241,6 +267,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="FORMAT hf: the Hugging Face layout, written to DIR (new or empty)")
     export.set_defaults(func=_cmd_export)
 
+
+def _add_doctor(sub: Any) -> None:
+    """``kiln doctor``: what kiln finds in this environment."""
     doctor = sub.add_parser(
         "doctor", help="check this environment: versions, devices, backends, compile, extras",
         description="Check what kiln finds here, on one screen: kiln's and torch's versions and build (CPU or "
@@ -257,7 +286,6 @@ def _parser() -> argparse.ArgumentParser:
                         help="skip the torch.compile check (a first compile takes 2-20 s on a small CPU, and "
                         "50 s was seen on a 16-core GPU machine)")
     doctor.set_defaults(func=_cmd_doctor)
-    return parser
 
 
 def _version() -> str:

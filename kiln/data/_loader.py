@@ -220,6 +220,65 @@ class StepSampler(Sampler[list[int]]):
                 at = stop
 
 
+def _worker_options(workers: Union[int, Literal["auto"]], pin_memory: Union[bool, Literal["auto"]],
+                    persistent_workers: bool | None, prefetch_factor: int | None) -> tuple[int, bool, bool, int | None]:
+    """build_loader's worker settings, checked and resolved: (workers, pin_memory,
+    persistent_workers, prefetch_factor)."""
+    num_workers = resolve_workers(workers)
+    if pin_memory == "auto":
+        pin_memory = torch.cuda.is_available()
+    elif not isinstance(pin_memory, bool):
+        raise ValueError(f"build_loader: pin_memory={pin_memory!r} must be true, false or 'auto'")
+    if prefetch_factor is not None and (
+        not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1
+    ):
+        raise ValueError(f"build_loader: prefetch_factor={prefetch_factor!r} must be a positive integer or None")
+    if num_workers == 0:
+        if workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                f"build_loader: prefetch_factor={prefetch_factor} needs worker processes (workers > 0 or 'auto'); "
+                "the main process loads one batch at a time"
+            )
+        if workers == 0 and persistent_workers:
+            raise ValueError("build_loader: persistent_workers=True needs worker processes (workers > 0 or 'auto')")
+        return 0, pin_memory, False, None
+    return num_workers, pin_memory, True if persistent_workers is None else persistent_workers, prefetch_factor
+
+
+def _batching(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool, rank: int,
+              world_size: int, accumulate: int | None) -> dict[str, Any]:
+    """build_loader's batching arguments for the DataLoader: a StepSampler's micro-batches of
+    whole steps (``accumulate`` given, map-style data), or a batch size and a sampler."""
+    if accumulate is not None and isinstance(dataset, IterableDataset):
+        if not isinstance(accumulate, int) or accumulate < 1 or batch_size % (accumulate * world_size):
+            raise ValueError(f"build_loader: batch_size={batch_size} is not divisible by world_size={world_size} x "
+                             f"accumulate={accumulate}")
+        batch_size //= accumulate * world_size  # a stream: this rank's micro-batches, in stream order
+    elif accumulate is not None:
+        return dict(batch_sampler=StepSampler(len(dataset), batch_size, accumulate=accumulate, rank=rank,
+                                              world_size=world_size, shuffle=shuffle, seed=seed,
+                                              drop_last=drop_last))
+    if isinstance(dataset, IterableDataset):
+        if shuffle:
+            raise ValueError(
+                "build_loader: shuffle=True is not possible for an IterableDataset (it has no indices); "
+                "shuffle inside the dataset, e.g. with a buffer seeded from torch.utils.data.get_worker_info().seed"
+            )
+        # The loader cannot split a stream; the dataset must (kiln.data.shard_iterable).
+        sampler = None
+    elif world_size > 1 or shuffle:
+        # One process shuffles exactly like a rank of N: the epoch's permutation depends only on
+        # (seed, epoch), and rank r of N takes every N-th index of it. So the N ranks' micro-batches
+        # of a step together hold the very samples of the one-process batch, and a run trains the
+        # same model whatever the number of processes (and a resumed run replays epoch e directly).
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+    else:
+        sampler = SequentialSampler(dataset)
+    return dict(batch_size=batch_size, sampler=sampler, drop_last=drop_last)
+
+
 def build_loader(
     dataset: Dataset,
     batch_size: int,
@@ -267,64 +326,14 @@ def build_loader(
         raise ValueError(f"build_loader: batch_size={batch_size!r} must be a positive integer")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"build_loader: seed={seed!r} must be an integer")
-    num_workers = resolve_workers(workers)
-    if pin_memory == "auto":
-        pin_memory = torch.cuda.is_available()
-    elif not isinstance(pin_memory, bool):
-        raise ValueError(f"build_loader: pin_memory={pin_memory!r} must be true, false or 'auto'")
-    if prefetch_factor is not None and (
-        not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1
-    ):
-        raise ValueError(f"build_loader: prefetch_factor={prefetch_factor!r} must be a positive integer or None")
-    if num_workers == 0:
-        if workers == 0 and prefetch_factor is not None:
-            raise ValueError(
-                f"build_loader: prefetch_factor={prefetch_factor} needs worker processes (workers > 0 or 'auto'); "
-                "the main process loads one batch at a time"
-            )
-        if workers == 0 and persistent_workers:
-            raise ValueError("build_loader: persistent_workers=True needs worker processes (workers > 0 or 'auto')")
-        persistent_workers, prefetch_factor = False, None
-    elif persistent_workers is None:
-        persistent_workers = True
+    num_workers, pin_memory, persistent_workers, prefetch_factor = _worker_options(
+        workers, pin_memory, persistent_workers, prefetch_factor)
     rank, world_size = _rank_world(rank, world_size)
-    batch_sampler = None
-    if accumulate is not None and isinstance(dataset, IterableDataset):
-        if not isinstance(accumulate, int) or accumulate < 1 or batch_size % (accumulate * world_size):
-            raise ValueError(f"build_loader: batch_size={batch_size} is not divisible by world_size={world_size} x "
-                             f"accumulate={accumulate}")
-        batch_size //= accumulate * world_size  # a stream: this rank's micro-batches, in stream order
-    elif accumulate is not None:
-        batch_sampler = StepSampler(len(dataset), batch_size, accumulate=accumulate, rank=rank,
-                                    world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
-
-    if batch_sampler is not None:
-        sampler = None
-    elif isinstance(dataset, IterableDataset):
-        if shuffle:
-            raise ValueError(
-                "build_loader: shuffle=True is not possible for an IterableDataset (it has no indices); "
-                "shuffle inside the dataset, e.g. with a buffer seeded from torch.utils.data.get_worker_info().seed"
-            )
-        # The loader cannot split a stream; the dataset must (kiln.data.shard_iterable).
-        sampler = None
-    elif world_size > 1 or shuffle:
-        # One process shuffles exactly like a rank of N: the epoch's permutation depends only on
-        # (seed, epoch), and rank r of N takes every N-th index of it. So the N ranks' micro-batches
-        # of a step together hold the very samples of the one-process batch, and a run trains the
-        # same model whatever the number of processes (and a resumed run replays epoch e directly).
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
-    else:
-        sampler = SequentialSampler(dataset)
-
+    batching = _batching(dataset, batch_size, shuffle, seed, drop_last, rank, world_size, accumulate)
     # Only feeds torch's per-iterator worker base seed (get_worker_info().seed; _SeedWorker then
     # reseeds the RNGs): without it torch would draw that seed from, and so advance, the global
     # RNG every epoch. Per rank, so that get_worker_info().seed differs across ranks too.
     generator = torch.Generator().manual_seed(_torch_seed(np.random.SeedSequence([seed % 2**64, rank], spawn_key=(1,))))
-    batching = (dict(batch_sampler=batch_sampler) if batch_sampler is not None
-                else dict(batch_size=batch_size, sampler=sampler, drop_last=drop_last))
     return _Loader(
         dataset,
         **batching,

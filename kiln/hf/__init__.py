@@ -300,6 +300,37 @@ def _split_reads(held: tuple[int, ...], stored: tuple[int, ...],
 
 
 @torch.no_grad()
+def _targets(model: nn.Module, found: dict[str, Any], path: Path) -> tuple[dict[str, torch.Tensor],
+                                                                          list[tuple[str, torch.Tensor]]]:
+    """load_weights' targets: {file name: tensor held in the file's shape} (read box by box
+    through DCP) and [(file name, tensor)] held in another shape with as many elements; a
+    ValueError naming what the files lack or hold in other shapes."""
+    prefix = getattr(model, "base_model_prefix", "")
+    exact: dict[str, torch.Tensor] = {}
+    reshaped: list[tuple[str, torch.Tensor]] = []
+    missing, wrong = [], []
+    for fqn, named in _held_tensors(model).items():
+        t = named[0][1]
+        key = _in_file([n for n, _ in named], found, prefix)
+        if key is None:
+            if isinstance(t, nn.Parameter):
+                missing.append(fqn)
+            continue
+        shape = found[key][1]
+        if tuple(t.shape) == shape:
+            exact[key] = t.detach()
+        elif math.prod(shape) == t.numel():
+            reshaped.append((key, t.detach()))
+        else:
+            wrong.append(f"{fqn} {tuple(t.shape)} (file: {shape})")
+    if missing or wrong:
+        what = (f"lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "") + \
+            ("; " if missing and wrong else "") + (f"has other shapes for {', '.join(wrong[:4])}" if wrong else "")
+        raise ValueError(f"kiln.hf.load_weights: {path} {what} ({len(missing) + len(wrong)} tensors); "
+                         "is it a checkpoint of this model and config?")
+    return exact, reshaped
+
+
 def load_weights(model: nn.Module, path: str | Path | None = None, *, device: torch.device | str | None = None) -> int:
     """Fill ``model`` from the safetensors files of local Hugging Face directory ``path``
     (default: where :func:`from_pretrained` with ``lazy=True`` built it from); return how many
@@ -327,30 +358,7 @@ def load_weights(model: nn.Module, path: str | Path | None = None, *, device: to
                                 "local directory that save_pretrained wrote")
     found = _file_tensors(path)
     materialize(model, device)
-    prefix = getattr(model, "base_model_prefix", "")
-    exact: dict[str, torch.Tensor] = {}  # file name -> target: read box by box through DCP
-    reshaped: list[tuple[str, torch.Tensor]] = []  # (file name, target) held in another shape
-    missing, wrong = [], []
-    for fqn, named in _held_tensors(model).items():
-        t = named[0][1]
-        key = _in_file([n for n, _ in named], found, prefix)
-        if key is None:
-            if isinstance(t, nn.Parameter):
-                missing.append(fqn)
-            continue
-        shape = found[key][1]
-        if tuple(t.shape) == shape:
-            exact[key] = t.detach()
-        elif math.prod(shape) == t.numel():
-            reshaped.append((key, t.detach()))
-        else:
-            wrong.append(f"{fqn} {tuple(t.shape)} (file: {shape})")
-    if missing or wrong:
-        what = (f"lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "") + \
-            ("; " if missing and wrong else "") + (f"has other shapes for {', '.join(wrong[:4])}" if wrong else "")
-        raise ValueError(f"kiln.hf.load_weights: {path} {what} ({len(missing) + len(wrong)} tensors); "
-                         "is it a checkpoint of this model and config?")
-
+    exact, reshaped = _targets(model, found, path)
     read = 0
 
     class Counting(DefaultLoadPlanner):  # each read item is one box of one file tensor
