@@ -9,16 +9,30 @@ line too, ``kiln: warning: ...``; it stays a real warning that filters silence o
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
-__all__ = ["CheckpointError", "ConfigError", "KilnWarning", "SHOWN_WARNINGS_ENV", "one_line_warnings",
-           "shown_warnings"]
+__all__ = ["CheckpointError", "ConfigError", "KilnWarning", "SHOWN_WARNINGS_ENV", "did_you_mean",
+           "one_line_warnings", "shown_warnings"]
 
 # the kiln warnings a launcher showed already, which its ranks do not show again (JSON, a list)
 SHOWN_WARNINGS_ENV = "KILN_SHOWN_WARNINGS"
+
+
+def did_you_mean(word: Any, choices: Iterable[Any], *, prefix: str = "", quote: bool = True) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word`` (``prefix`` before it, quoted
+    with ``quote``), or ``""`` where none is close: the hint every "unknown name" error carries.
+
+    >>> did_you_mean("adamw2", ["adamw", "lamb"]), did_you_mean("lr", ["betas"])
+    ("; did you mean 'adamw'?", '')
+    """
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {prefix}{close[0]!r}?" if quote else f"; did you mean {prefix}{close[0]}?"
 
 
 class ConfigError(ValueError):

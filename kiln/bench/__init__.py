@@ -18,6 +18,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
+from kiln.errors import did_you_mean
+
 # name on the command line -> (module, one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "optimizer": ("kiln.bench.optimizer", "optimizer step time: torch for-loop/foreach/fused vs kiln's arena"),
@@ -57,11 +59,8 @@ DOCS_PAGE: dict[str, str] = {"gpu": "gpu.md"}
 def get_benchmark(name: str) -> Callable[..., dict[str, Any]]:
     """Return the ``run`` function of the benchmark called ``name``."""
     if name not in BENCHMARKS:
-        import difflib
-
-        close = difflib.get_close_matches(name, BENCHMARKS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown benchmark {name!r}.{hint} Available: {', '.join(sorted(BENCHMARKS))}")
+        hint = did_you_mean(name, BENCHMARKS)
+        raise KeyError(f"unknown benchmark {name!r}{hint or '.'} Available: {', '.join(sorted(BENCHMARKS))}")
     return importlib.import_module(BENCHMARKS[name][0]).run
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import importlib.util
 import inspect
 import math
@@ -23,14 +22,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kiln._environment import import_diagnosis
+from kiln.errors import did_you_mean
 from kiln.config._lazy import add_user_dir, file_module_name, locate, target_path
 from kiln.config._schema import NAMESPACES
 from kiln.config._types import ConfigError, coerce, coerce_dataclass, type_name
 
 
 def _suggest(word: str, options: Iterable[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {prefix}{close[0]}?" if close else ""
+    return did_you_mean(word, options, prefix=prefix, quote=False)
 
 
 # --------------------------------------------------------------------------- reading files
@@ -436,17 +435,16 @@ def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
     """optim.name names one of kiln's optimizers, and every optimizer-specific key set (not
     left at its default) is one that optimizer takes: the classes declare both."""
     from kiln.config._schema import OptimConfig
-    from kiln.optim import OPTIMIZERS
+    from kiln.optim import OPTIMIZERS, TORCH_OPTIMIZERS
 
     name = values["name"]
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r} in optim.name" + _suggest(name, OPTIMIZERS, "")
                           + f" (kiln's optimizers: {', '.join(OPTIMIZERS)})")
     cls = OPTIMIZERS[name]
-    torch_names = ("adamw", "adam", "sgd")  # kiln.train._build.TORCH_OPTIMIZERS
-    if values["impl"] != "kiln" and name not in torch_names:
+    if values["impl"] != "kiln" and name not in TORCH_OPTIMIZERS:
         raise ConfigError(f"optim.impl={values['impl']} builds torch.optim's class, and torch has no {name}; "
-                          f"use optim.impl=kiln, or optim.name={'|'.join(torch_names)}")
+                          f"use optim.impl=kiln, or optim.name={'|'.join(TORCH_OPTIMIZERS)}")
     specific = {key for other in OPTIMIZERS.values() for key in other.config_options}
     defaults = {f.name: f.default for f in dataclasses.fields(OptimConfig)}
     for key in sorted(specific - set(cls.config_options)):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from typing import Any, Literal, Union
 
 
-from kiln.errors import ConfigError  # re-exported: kiln.config.ConfigError
+from kiln.errors import ConfigError, did_you_mean  # ConfigError re-exported: kiln.config.ConfigError
 
 
 def type_name(tp: Any) -> str:
@@ -43,9 +42,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if value in typing.get_args(tp) and type(value) is type(_match(value, tp)):
             return value
         options = [str(a) for a in typing.get_args(tp)]
-        close = difflib.get_close_matches(str(value), options, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key}={value!r} is not allowed{hint} (expected {type_name(tp)})")
+        raise ConfigError(f"{key}={value!r} is not allowed{did_you_mean(value, options)} (expected {type_name(tp)})")
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
@@ -100,8 +97,7 @@ def coerce_dataclass(value: Any, cls: type, key: str) -> dict[str, Any]:
     out = dataclasses.asdict(cls())
     for name, item in value.items():
         if name not in hints:
-            close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
-            hint = f"; did you mean {key}.{close[0]}?" if close else ""
+            hint = did_you_mean(name, names, prefix=f"{key}.", quote=False)
             raise ConfigError(f"unknown key {key}.{name}{hint} (valid keys: {', '.join(names)})")
         out[name] = coerce(item, hints[name], f"{key}.{name}")
     return out

@@ -18,7 +18,6 @@ the config runs before anything is built (:func:`check_dataset`).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any, Callable, TypeVar
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
+
+from kiln.errors import did_you_mean
 
 __all__ = ["DataSplits", "register_dataset", "build_dataset", "check_dataset", "list_datasets", "dataset_signature"]
 
@@ -54,8 +55,7 @@ _CHECKS: dict[str, Callable[..., dict[str, Any]]] = {}
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f"; did you mean {close[0]!r}?" if close else "."
+    return did_you_mean(word, choices) or "."
 
 
 def register_dataset(name: str, *, check: Callable[..., dict[str, Any]] | None = None) -> Callable[[_Builder], _Builder]:

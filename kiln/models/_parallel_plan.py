@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.errors import did_you_mean
+
 __all__ = ["STYLE_NAMES", "TPContext", "TensorParallelPlan", "PipelinePlan", "ParallelPlan", "check_tp_divides"]
 
 # The named styles a plan may use; kiln.parallel implements each. Shapes: B batch, T sequence,
@@ -99,10 +101,7 @@ class TensorParallelPlan:
         for pattern, style in self.styles.items():
             if isinstance(style, str):
                 if style not in STYLE_NAMES:
-                    import difflib
-
-                    close = difflib.get_close_matches(style, list(STYLE_NAMES), n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    hint = did_you_mean(style, STYLE_NAMES)
                     raise ValueError(f"tensor-parallel plan: {pattern!r} -> {style!r} is not a named style{hint} "
                                      f"Named styles: {', '.join(STYLE_NAMES)} (or give a factory ctx -> ParallelStyle)")
             elif not callable(style):

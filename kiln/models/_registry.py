@@ -23,12 +23,12 @@ plan=GPT_PLAN)``); ``kiln.parallel`` finds it with :func:`find_plan`, and config
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
 
+from kiln.errors import did_you_mean
 from kiln.models._parallel_plan import ParallelPlan
 
 __all__ = ["register_model", "register_plan", "create_model", "list_models", "model_config_class", "example_input",
@@ -44,8 +44,7 @@ _PLANS_BY_TYPE: dict[type, ParallelPlan] = {}
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f"; did you mean {close[0]!r}?" if close else "."
+    return did_you_mean(word, choices) or "."
 
 
 def register_model(name: str, config_cls: type, *, plan: ParallelPlan | None = None) -> Callable[[_Builder], _Builder]:

@@ -39,10 +39,13 @@ from kiln.optim._optimizers import LAMB, LARS, SGD, Adam, AdamW
 
 # optim.name -> class; what each takes and keeps is declared on the class (config_options, state_names)
 OPTIMIZERS = {cls.config_name: cls for cls in (AdamW, Adam, SGD, LAMB, LARS)}
+# optim.impl=torch-*: optim.name -> torch.optim's class (kiln's defaults are torch's, so the same
+# config keys build the same optimizer); torch has no LAMB or LARS
+TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 __all__ = ["ARENA_FEATURES", "NO_ARENA", "Arena", "ArenaNeed", "ArenaSlice", "NoArena", "Piece", "arena_conflicts",
            "arena_layout", "arena_missing", "ArenaOptimizer", "KilnOptimizer", "ShardableOptimizer", "SGD", "Adam",
-           "AdamW", "LAMB", "LARS", "OPTIMIZERS", "clip_grad_norm_", "has_arena", "local_tensor",
+           "AdamW", "LAMB", "LARS", "OPTIMIZERS", "TORCH_OPTIMIZERS", "clip_grad_norm_", "has_arena", "local_tensor",
            "native_kernels_build", "no_arena_setting", "norms_as_row_views", "torch_method"]
 
 

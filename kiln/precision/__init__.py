@@ -46,16 +46,19 @@ Use it in your own loop::
 from __future__ import annotations
 
 import contextlib
+import typing
 import warnings
 from typing import Any
 
 import torch
 
 from kiln import hardware
+from kiln.config import TrainConfig
 from kiln.errors import ConfigError, KilnWarning
 from kiln.optim import Arena, KilnOptimizer, arena_missing, has_arena, local_tensor, no_arena_setting
 
-MODES = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp8", "fp64")
+# ("auto", "fp32", "bf16-mixed", ...): train.precision's modes as the config declares them, in its order
+MODES = typing.get_args(typing.get_type_hints(TrainConfig)["precision"])
 _LOW = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16-mixed": torch.float16}
 
 

@@ -223,11 +223,6 @@ def param_groups(model: nn.Module, no_decay_1d: bool) -> list[dict[str, Any]]:
     return groups
 
 
-# optim.impl=torch-*: optim.name -> torch.optim's class (kiln's defaults are torch's, so the same
-# config keys build the same optimizer)
-TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-
-
 def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = None) -> torch.optim.Optimizer:
     """kiln's optimizer named by ``optim.name``, over the model's parameter groups
     (``contiguous`` overrides ``optim.contiguous``: FSDP2's DTensor shards need list mode);
@@ -245,7 +240,7 @@ def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = 
     if impl != "kiln":  # torch.optim's own class (the config allowed adamw, adam, sgd only)
         flags = {"torch-forloop": dict(foreach=False), "torch-foreach": dict(foreach=True),
                  "torch-fused": dict(fused=True)}[impl]
-        return TORCH_OPTIMIZERS[name](groups, lr=optim_cfg.lr, **flags, **kwargs)
+        return kiln.optim.TORCH_OPTIMIZERS[name](groups, lr=optim_cfg.lr, **flags, **kwargs)
     contiguous = optim_cfg.contiguous if contiguous is None else contiguous
     return cls(groups, lr=optim_cfg.lr, contiguous=contiguous, **kwargs)
 
