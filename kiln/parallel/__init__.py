@@ -43,7 +43,7 @@ _LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp", "check_tp
          "stage_elements": "_layout", "Layout": "_mesh", "resolve_layout": "_mesh", "build_mesh": "_mesh",
          "check_parallel_config": "_checks",
          "save_sharded": "_checkpoint", "load_sharded": "_checkpoint", "read_sharded": "_checkpoint",
-         "check_sharded": "_checkpoint", "META_FILE": "_checkpoint"}
+         "check_sharded": "_checkpoint", "META_FILE": "_checkpoint", "AsyncSaver": "_checkpoint"}
 
 
 def __getattr__(name: str) -> Any:
@@ -58,4 +58,4 @@ __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "broadcast_parameters", "all_reduce_gradients", "sync_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
            "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Parallel",
            "stage_elements", "Layout", "resolve_layout", "build_mesh", "check_parallel_config",
-           "save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
+           "save_sharded", "AsyncSaver", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
