@@ -189,7 +189,7 @@ def _slow_second_write(marker: str) -> None:
 
 @pytest.mark.e2e  # kiln train processes, one killed
 def test_kill_9_during_a_background_write_keeps_the_last_checkpoint_and_the_resume_is_bitwise(tmp_path):
-    args = [MLP, "train.max_steps=40", "train.checkpoint_every=2", "train.log_every=1", "train.eval_every=0",
+    args = [MLP, "train.max_steps=20", "train.checkpoint_every=2", "train.log_every=1", "train.eval_every=0",
             "train.precision=fp32", "train.progress=none", "train.keep_checkpoints=1000"]
     marker, out = tmp_path / "writing", tmp_path / "killed"
     proc = KilnProcess(["train", *args, "train.async_checkpoint=true", f"train.output_dir={out}"], cwd=str(ROOT),

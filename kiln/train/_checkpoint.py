@@ -22,9 +22,10 @@ processes restores every rank's RNG; with another, every rank takes rank 0's.
 
 Writing is atomic (a ``.tmp`` directory renamed into place after its last file), so a kill in
 the middle of a save never leaves a directory that looks complete and never damages the last
-good checkpoint. Reading never executes code from the files: JSON, ``torch.load`` with
-``weights_only=True``, and DCP's metadata through an unpickler that admits only its own
-metadata classes.
+good checkpoint; with ``train.async_checkpoint`` the same directory is written in the
+background (:class:`CheckpointWriter`), renamed into place once its last file is written.
+Reading never executes code from the files: JSON, ``torch.load`` with ``weights_only=True``,
+and DCP's metadata through an unpickler that admits only its own metadata classes.
 """
 
 from __future__ import annotations
