@@ -38,7 +38,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "kiln train vs the plain loop, microseconds"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
     "checkpoint": ("kiln.bench.checkpoint", "the stall one checkpoint save puts into training (GPT, 57 M parameters, AdamW: "
-                   "680 MB of state): a save that writes before training goes on vs one written in the background "
+                   "654 MiB of state): a save that writes before training goes on vs one written in the background "
                    "(train.async_checkpoint)"),
     "gpu": ("kiln.bench.gpu", "what to run when a GPU is lent: lm, vit, encoder-layer --hidden 1024, hf, optimizer and plan "
             "in their quick forms on one GPU, in at most 8 minutes, into docs/lab/gpu.md "
