@@ -17,7 +17,7 @@ def test_bench_checkpoint_quick(tmp_path):
     # AdamW keeps two fp32 moments per fp32 parameter: 12 bytes a parameter, and a few steps
     assert 12 * report["params"] <= report["state_bytes"] < 12 * report["params"] + 4096
     (r,) = report["per_round"]
-    for mode in ("sync", "async"):  # the stall: the window less as many plain steps
+    for mode in ("sync", "async", "write"):  # the stall: the window less as many plain steps
         assert r[mode]["stall"] == pytest.approx(r[mode]["window"] - report["steps"] * r["step"])
         assert 0 < r[mode]["call"] < r[mode]["window"]
     assert r["sync"]["waited"] < 0.01  # nothing left to wait for after a save that wrote its files
