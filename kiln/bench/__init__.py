@@ -39,6 +39,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("kiln.bench.overhead", "host time per step on a model whose compute is negligible (7 K-parameter MLP, batch 8): "
                  "kiln train vs the plain loop, microseconds"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
+    "checkpoint": ("kiln.bench.checkpoint", "the stall one checkpoint save puts into training (GPT, 57 M parameters, AdamW: "
+                   "654 MiB of state): a save that writes before training goes on vs one written in the background "
+                   "(train.async_checkpoint)"),
     "gpu": ("kiln.bench.gpu", "what to run when a GPU is lent: lm, vit, encoder-layer --hidden 1024, hf, optimizer and plan "
             "in their quick forms on one GPU, in at most 8 minutes, into docs/lab/gpu.md "
             "(--device cpu: a test of it)"),
@@ -49,7 +52,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], str]] = {"hf": (("transformers", "accele
 # the benchmarks that take --device (their measure(quick, device=...)), and how many devices
 # of that kind each needs
 ON_DEVICE: dict[str, int] = {"optimizer": 1, "overhead": 1, "lm": 1, "encoder-layer": 1, "hf": 1, "ddp": 2, "plan": 1,
-                             "vit": 1, "gpu": 1}
+                             "vit": 1, "gpu": 1, "checkpoint": 1}
 # the device of those whose --device does not default to cpu
 DEFAULT_DEVICE: dict[str, str] = {"gpu": "cuda"}
 # the page a full run writes its section of, where not docs/lab/benchmarks.md (a page beside it)

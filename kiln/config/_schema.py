@@ -118,6 +118,10 @@ class TrainConfig:
     progress: Literal["auto", "bar", "plain", "none"] = "auto"  # auto: bar on a terminal
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0: only the final one
     keep_checkpoints: int = 3  # periodic checkpoints kept (final.pt and best.pt always are)
+    # write checkpoints in the background: a save copies the state into host memory (a second
+    # copy of it, kept for the run) and the next steps run while DCP's async_save writes it; at
+    # most one save in flight, the next waits for it, and the run ends once the last is on disk
+    async_checkpoint: bool = False
     # csv (RUN_DIR/metrics.csv) is always on; tensorboard (RUN_DIR/tensorboard), wandb (WANDB_PROJECT,
     # WANDB_MODE=offline), mlflow (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME): rank 0 logs the
     # config, each metrics.csv row and summary.json; a resume continues the same logged run

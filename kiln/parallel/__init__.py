@@ -45,7 +45,7 @@ _LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp", "check_tp
          "dp_mesh": "_mesh", "fsdp_mesh": "_mesh",
          "check_parallel_config": "_checks",
          "save_sharded": "_checkpoint", "load_sharded": "_checkpoint", "read_sharded": "_checkpoint",
-         "check_sharded": "_checkpoint", "META_FILE": "_checkpoint"}
+         "check_sharded": "_checkpoint", "META_FILE": "_checkpoint", "AsyncSaver": "_checkpoint"}
 
 
 def __getattr__(name: str) -> Any:
@@ -61,4 +61,4 @@ __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Parallel",
            "stage_elements", "Layout", "resolve_layout", "build_mesh", "dp_mesh", "fsdp_mesh",
            "check_parallel_config",
-           "save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
+           "save_sharded", "AsyncSaver", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]

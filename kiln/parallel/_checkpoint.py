@@ -51,6 +51,7 @@ import pickle
 import shutil
 import sys
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -69,9 +70,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves
 
 from kiln.optim import KilnOptimizer
-__all__ = ["save_sharded", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
+__all__ = ["save_sharded", "AsyncSaver", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
 
 META_FILE = "kiln_meta.json"
 FORMAT = "kiln-dcp-1"
@@ -380,6 +382,113 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclasses.dataclass
+class _Save:
+    """One save, built in the caller's thread: the tensors DCP writes (and the ZeRO shard
+    pieces, as chunks), and what completes the directory after them: this rank's files, its
+    view of the optimizer's groups and non-tensor state, rank 0's ``extra``."""
+
+    final: Path
+    tmp: Path
+    tensors: dict[str, Any]
+    chunks: dict[str, tuple[torch.Size, list]]
+    local: dict[str, Any]
+    files: dict[str, bytes]
+    extra: dict[str, Any]
+
+    def cleanup(self) -> None:
+        if _rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # never leave a half-written directory behind
+
+
+def _begin(directory: str | os.PathLike, model: Modules, optimizer: Optimizer | None,
+           extra: dict[str, Any] | None, masters: dict[str, torch.Tensor] | None,
+           files: dict[str, Any] | None) -> _Save:
+    """The start of a save on every rank: the debris of one that died cleared, and what this
+    rank writes gathered by name (views of its own tensors, nothing copied)."""
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    _wait_parameters(optimizer)
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that died
+    _barrier()
+    held = _held_shape(model)
+    tensors: dict[str, Any] = {_MODEL + k: _as_held(held, k, v) for k, v in _model_state(model).items()}
+    tensors.update({_MASTER + k: v for k, v in (masters or {}).items()})
+    names = _param_names(model, masters)
+    local: dict[str, Any] = {"state": {}, "param_groups": []}
+    chunks: dict[str, tuple[torch.Size, list]] = {}
+    if optimizer is not None:
+        indexed = [(i, p) for start, ps in _indexed_params(optimizer) for i, p in enumerate(ps, start)]
+        if any(id(p) not in names for _, p in indexed):
+            raise ValueError("save_sharded: the optimizer holds a parameter that is not in the model "
+                             "(pass masters= for tensors it steps in the model's place)")
+        fqn = {i: names[id(p)] for i, p in indexed}
+        shape = {i: torch.Size(held(names[id(p)], tuple(p.shape))) for i, p in indexed}
+        sharded = _sharded(optimizer)
+        # a shard's own state dict: this rank's pieces, and where they lie (no gather)
+        osd = _state_views(optimizer)
+        pieces = osd.pop("pieces", {})
+        for idx, st in osd["state"].items():
+            entry = {"tensors": [], "other": {}}
+            for k, v in st.items():
+                if not torch.is_tensor(v):
+                    entry["other"][k] = _jsonable(v)
+                    continue
+                if sharded and k != "step":
+                    chunks[f"{_STATE}{fqn[idx]}.{k}"] = (shape[idx], _piece_boxes(shape[idx], pieces.get(idx), v))
+                else:
+                    tensors[f"{_STATE}{fqn[idx]}.{k}"] = _as_held(held, fqn[idx], v)
+                entry["tensors"].append(k)
+            local["state"][fqn[idx]] = entry
+        for g in osd["param_groups"]:
+            hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
+            local["param_groups"].append({"hyper": hyper, "params": [fqn[i] for i in g["params"] if i in fqn]})
+    blobs = {}
+    for name, obj in (files or {}).items():
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        blobs[name] = buffer.getvalue()
+    # raises now on anything that is not JSON; and a copy that the steps after the call cannot change
+    extra = json.loads(json.dumps(extra or {}))
+    return _Save(final, tmp, tensors, chunks, local, blobs, extra)
+
+
+def _complete(save: _Save, group: dist.ProcessGroup | None = None) -> Path:
+    """The end of a save, once every rank's tensors are written: each rank's files, then rank
+    0's JSON (last: a directory without it is incomplete) and the rename into place. A
+    collective over ``group``."""
+    rank, world = _rank(), dist.get_world_size() if _dist() else 1
+    for name, blob in save.files.items():
+        with open(save.tmp / name, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+    parts = [None] * world
+    if world > 1:
+        dist.all_gather_object(parts, save.local, group=group)  # also the barrier: every rank's files are written
+    else:
+        parts = [save.local]
+    if rank == 0:
+        meta = {"format": FORMAT, "world_size": world, "extra": save.extra, **_merge_meta(parts)}
+        with open(save.tmp / META_FILE, "w") as f:
+            f.write(json.dumps(meta, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(save.tmp)
+        final = save.final
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(save.tmp, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    if world > 1:
+        dist.barrier(group=group)
+    return save.final
+
+
 @torch.no_grad()
 def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimizer | None = None,
                  extra: dict[str, Any] | None = None, *, masters: dict[str, torch.Tensor] | None = None,
@@ -398,80 +507,127 @@ def save_sharded(directory: str | os.PathLike, model: Modules, optimizer: Optimi
             ``torch.save`` into the directory (names must differ between ranks); read them
             back with ``torch.load(..., weights_only=True)``.
 
-    Returns the directory."""
-    final = Path(directory)
-    tmp = final.with_name(final.name + ".tmp")
-    rank, world = _rank(), dist.get_world_size() if _dist() else 1
-    _wait_parameters(optimizer)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that died
-    _barrier()
+    Returns the directory. :class:`AsyncSaver` writes the same directory in the background."""
+    save = _begin(directory, model, optimizer, extra, masters, files)
     try:
-        held = _held_shape(model)
-        tensors: dict[str, Any] = {_MODEL + k: _as_held(held, k, v) for k, v in _model_state(model).items()}
-        tensors.update({_MASTER + k: v for k, v in (masters or {}).items()})
-        names = _param_names(model, masters)
-        local: dict[str, Any] = {"state": {}, "param_groups": []}
-        chunks: dict[str, tuple[torch.Size, list]] = {}
-        if optimizer is not None:
-            indexed = [(i, p) for start, ps in _indexed_params(optimizer) for i, p in enumerate(ps, start)]
-            if any(id(p) not in names for _, p in indexed):
-                raise ValueError("save_sharded: the optimizer holds a parameter that is not in the model "
-                                 "(pass masters= for tensors it steps in the model's place)")
-            fqn = {i: names[id(p)] for i, p in indexed}
-            shape = {i: torch.Size(held(names[id(p)], tuple(p.shape))) for i, p in indexed}
-            sharded = _sharded(optimizer)
-            # a shard's own state dict: this rank's pieces, and where they lie (no gather)
-            osd = _state_views(optimizer)
-            pieces = osd.pop("pieces", {})
-            for idx, st in osd["state"].items():
-                entry = {"tensors": [], "other": {}}
-                for k, v in st.items():
-                    if not torch.is_tensor(v):
-                        entry["other"][k] = _jsonable(v)
-                        continue
-                    if sharded and k != "step":
-                        chunks[f"{_STATE}{fqn[idx]}.{k}"] = (shape[idx], _piece_boxes(shape[idx], pieces.get(idx), v))
-                    else:
-                        tensors[f"{_STATE}{fqn[idx]}.{k}"] = _as_held(held, fqn[idx], v)
-                    entry["tensors"].append(k)
-                local["state"][fqn[idx]] = entry
-            for g in osd["param_groups"]:
-                hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
-                local["param_groups"].append({"hyper": hyper, "params": [fqn[i] for i in g["params"] if i in fqn]})
         with _dcp_call():
-            dcp.save(tensors, storage_writer=_writer(tmp, tensors), planner=_SavePlanner(chunks), no_dist=not _dist())
-        for name, obj in (files or {}).items():
-            with open(tmp / name, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-        parts = [None] * world
-        if world > 1:
-            dist.all_gather_object(parts, local)  # also the barrier: every rank's files are written
-        else:
-            parts = [local]
-        if rank == 0:
-            meta = {"format": FORMAT, "world_size": world, "extra": extra or {}, **_merge_meta(parts)}
-            text = json.dumps(meta, indent=1)  # raises on anything that is not JSON
-            with open(tmp / META_FILE, "w") as f:  # last: a directory without it is incomplete
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            old = final.with_name(final.name + ".old")
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            dcp.save(save.tensors, storage_writer=_writer(save.tmp, save.tensors), planner=_SavePlanner(save.chunks),
+                     no_dist=not _dist())
+        return _complete(save)
     except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
+        save.cleanup()
         raise
-    _barrier()
-    return final
+
+
+class _Staged:
+    """DCP's stager for a state dict that is already a host copy: :class:`AsyncSaver` stages
+    the ZeRO shard pieces with it, which DCP's own stager would not see (they reach DCP
+    through the planner, not the state dict)."""
+
+    should_synchronize_after_execute = False  # (there is nothing to wait for)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncSaver:
+    """:func:`save_sharded` in the background, one save at a time: :meth:`save` copies what
+    this rank holds into host memory (the next steps may change the originals at once), and
+    DCP's ``async_save`` writes the copy in a thread of its own, which then completes the
+    directory as :func:`save_sharded` does (files, ``kiln_meta.json`` last, the rename): a
+    directory named ``<dir>`` is complete whenever it appears, and a kill before leaves only
+    ``<dir>.tmp``. The host copy is kept and reused save after save (its allocation costs as
+    much as the copy). A collective like :func:`save_sharded`: every rank calls :meth:`save`,
+    and :meth:`wait` before ending.
+
+        >>> saver = AsyncSaver()                                               # doctest: +SKIP
+        >>> saver.save("ckpt/step-10", model, opt, extra={"step": 10})         # doctest: +SKIP
+        >>> ...                                                                # the next steps
+        >>> saver.wait()                                                       # doctest: +SKIP
+        PosixPath('ckpt/step-10')
+    """
+
+    def __init__(self) -> None:
+        self._pending: Future | None = None
+        self._copy: Any = None  # the host copy of the last save's tensors
+        self._group: dist.ProcessGroup | None = None
+
+    @torch.no_grad()
+    def save(self, directory: str | os.PathLike, model: Modules, optimizer: Optimizer | None = None,
+             extra: dict[str, Any] | None = None, *, masters: dict[str, torch.Tensor] | None = None,
+             files: dict[str, Any] | None = None) -> None:
+        """Start writing ``directory`` (the arguments of :func:`save_sharded`), after the save
+        in flight is complete (its error raised here). Returns once the state is copied."""
+        self.wait()
+        if _dist() and self._group is None:
+            # the background's own group: its collectives run beside the steps' on the default group
+            self._group = dist.new_group(backend="gloo")
+        save = _begin(directory, model, optimizer, extra, masters, files)
+        try:
+            pieces = [t for _, boxes in save.chunks.values() for _, _, t in boxes]
+            staged = self._stage({"tensors": save.tensors, "pieces": pieces})
+            left = iter(staged["pieces"])
+            chunks = {k: (size, [(o, s, next(left)) for o, s, _ in boxes]) for k, (size, boxes) in save.chunks.items()}
+            _quiet_background_saves()
+            with _dcp_call():
+                upload = dcp.async_save(staged["tensors"], storage_writer=FileSystemWriter(save.tmp),
+                                        planner=_SavePlanner(chunks), process_group=self._group,
+                                        async_stager=_Staged(), no_dist=not _dist())
+        except BaseException:
+            save.cleanup()
+            raise
+        done: Future = Future()
+
+        def complete(upload: Future) -> None:  # in DCP's writing thread, once this rank's tensors are written
+            try:
+                upload.result()
+                done.set_result(_complete(save, self._group))
+            except BaseException as exc:
+                save.cleanup()
+                done.set_exception(exc)
+
+        self._pending = done
+        upload.add_done_callback(complete)
+
+    def _stage(self, tensors: dict[str, Any]) -> Any:
+        """A host copy of ``tensors`` (DTensors keep their placements, with local shards on the
+        host), into the last save's copy where it has the same tensors."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = [(type(t), tuple(t.shape), t.dtype) for t in tree_leaves(tensors) if torch.is_tensor(t)]
+        if self._copy is None or self._copy[0] != layout:
+            on_gpu = any(torch.is_tensor(t) and t.device.type == "cuda" for t in tree_leaves(tensors))
+            # pinned: the copy from a GPU runs at the bus's speed (allocated once: the copy is reused)
+            self._copy = (layout, _create_cpu_state_dict(tensors, pin_memory=on_gpu))
+        return _copy_state_dict(tensors, self._copy[1])
+
+    def done(self) -> bool:
+        """Whether the save in flight has ended (written, or failed: :meth:`wait` says which)."""
+        return self._pending is not None and self._pending.done()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight and return its directory (None if there was none); its
+        error, if it failed, is raised here, once."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+
+def _quiet_background_saves() -> None:
+    """DCP's warning that one process is "assuming the intent is to save in a single process",
+    silenced for its writing thread too (:func:`_dcp_call` silences it only around a call in
+    this thread; warnings filters are the process's). Set at every save: a caller that restores
+    its filters (pytest, ``warnings.catch_warnings``) drops it."""
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
 
 
 # -- reading ------------------------------------------------------------------------------------

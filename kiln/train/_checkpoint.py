@@ -22,13 +22,15 @@ processes restores every rank's RNG; with another, every rank takes rank 0's.
 
 Writing is atomic (a ``.tmp`` directory renamed into place after its last file), so a kill in
 the middle of a save never leaves a directory that looks complete and never damages the last
-good checkpoint. Reading never executes code from the files: JSON, ``torch.load`` with
-``weights_only=True``, and DCP's metadata through an unpickler that admits only its own
-metadata classes.
+good checkpoint; with ``train.async_checkpoint`` the same directory is written in the
+background (:class:`CheckpointWriter`), renamed into place once its last file is written.
+Reading never executes code from the files: JSON, ``torch.load`` with ``weights_only=True``,
+and DCP's metadata through an unpickler that admits only its own metadata classes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -49,7 +51,7 @@ from kiln.train.run_dir import CHECKPOINTS, disk_full_in, interrupt_in
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.progress",
     "train.checkpoint_every", "train.keep_checkpoints", "train.output_dir", "train.run_name",
-    "train.loggers", "train.early_stopping",
+    "train.loggers", "train.early_stopping", "train.async_checkpoint",
     # a step is data.batch_size samples however it is split: the data position counts steps
     "train.accumulate",
     # the layout: checkpoints are keyed by parameter name and reshard on load
@@ -111,14 +113,25 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     state: dict[str, Any]) -> Path:
     """Write checkpoint directory ``path``: a collective, every rank calls it. ``state`` (the
     trainer's non-tensor state, JSON) is rank 0's; every rank adds its own RNG states."""
-    import torch.distributed as dist
-
     from kiln.parallel import save_sharded  # DCP: imported at the first save
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    try:
+    with _failed_save(path):
         return save_sharded(path, model, optimizer, extra=state, masters=named_masters(model, precision),
-                            files={_rng_file(rank): rng_state()})
+                            files={_rng_file(_rank()): rng_state()})
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _failed_save(path: Path) -> Iterator[None]:
+    """Around a save of ``path`` (or the wait for it): a Ctrl-C stays a Ctrl-C, and a full disk
+    names the checkpoint it was writing."""
+    try:
+        yield
     except BaseException as exc:
         interrupt = interrupt_in(exc)
         if interrupt is not None and interrupt is not exc:
@@ -128,6 +141,71 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         if full is not None and full.filename is None:
             full.filename = str(path)  # a write() names no file: the checkpoint being saved does
         raise
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints ``checkpoints/<name>/``, and keeps the newest ``keep``
+    periodic ones. ``background=False``: each save is written before :meth:`save` returns.
+    ``background=True`` (``train.async_checkpoint``): :meth:`save` copies the state to host
+    memory and returns, the files are written while the next steps run
+    (:class:`kiln.parallel.AsyncSaver`), and a save waits for the one in flight. The loop calls
+    :meth:`poll` after each step (a finished save: its error raised, the old ones pruned) and
+    :meth:`wait` before it ends; the final save is written at once, there being no step left to
+    hide it behind. Collectives, except :meth:`poll`."""
+
+    def __init__(self, run_dir: Path, keep: int, main: bool, background: bool):
+        self.checkpoints, self.keep, self.main = Checkpoints(run_dir), keep, main
+        self.background = None
+        if background:
+            from kiln.parallel import AsyncSaver
+
+            self.background = AsyncSaver()
+        self.writing: tuple[Path, bool] | None = None  # the save in flight, and whether to prune after it
+
+    def save(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any,
+             state: dict[str, Any], prune: bool = False, now: bool = False) -> None:
+        """Save ``checkpoints/<name>``; with ``prune``, keep the newest ``keep`` periodic ones once
+        it is written. ``now``: written before this returns, in the background mode too."""
+        path = self.checkpoints.dir / name
+        if self.background is None or now:
+            self.wait()
+            save_checkpoint(path, model, optimizer, precision, state)
+            self._written(prune)
+            return
+        self.wait()
+        with _failed_save(path):
+            self.background.save(path, model, optimizer, extra=state, masters=named_masters(model, precision),
+                                 files={_rng_file(_rank()): rng_state()})
+        self.writing = (path, prune)
+
+    def poll(self) -> None:
+        """After a step: the background save, if it has ended, checked and followed up."""
+        if self.background is not None and self.background.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """The save in flight written (its error, naming it, raised here) and followed up."""
+        if self.writing is None:
+            return
+        (path, prune), self.writing = self.writing, None
+        with _failed_save(path):
+            self.background.wait()
+        self._written(prune)
+
+    def abandon(self) -> None:
+        """When the run stops on an error or a signal: the save in flight let end (its own error
+        dropped: the run's is the one reported), complete or left as ``.tmp`` debris, before the
+        process group it writes with is closed."""
+        if self.writing is not None:
+            self.writing = None
+            try:
+                self.background.wait()
+            except Exception:
+                pass
+
+    def _written(self, prune: bool) -> None:
+        if prune and self.main:  # (no save is under way: pruning clears the .tmp debris too)
+            self.checkpoints.prune(self.keep)
 
 
 def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> None:

@@ -37,7 +37,7 @@ from kiln._version import __version__
 from kiln.hf import export_checkpoint, is_hf_model
 from kiln.train._batches import Step
 from kiln.train._build import build_model
-from kiln.train._checkpoint import Checkpoints, plain, save_checkpoint
+from kiln.train._checkpoint import CheckpointWriter, plain
 from kiln.train.heartbeat import beat
 from kiln.train._plot import plot_loss
 from kiln.train._ranks import mean_over_ranks
@@ -68,13 +68,15 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     except BaseException:
         torch.set_num_threads(threads)
         raise
-    step, stopped = run.start_step, None  # (no call here: Python checks for signals at calls)
+    step, stopped, saves = run.start_step, None, None  # (no call here: Python checks for signals at calls)
     try:  # at once: a Ctrl-C between setup and the loop is recorded like one in the loop
         tc = cfg.train
         # plain ints, read once: a lookup in an OmegaConf config costs about as much host time as
         # a small model's whole optimizer step (docs/lab/facts.md, 'Host time')
         log_every, eval_every, checkpoint_every = tc.log_every, tc.eval_every, tc.checkpoint_every
-        compiled, keep = tc.compile, tc.keep_checkpoints
+        compiled = tc.compile
+        # writes checkpoints now, or in the background while the next steps run (train.async_checkpoint)
+        saves = CheckpointWriter(run.out.path, tc.keep_checkpoints, run.main, tc.async_checkpoint)
         run.model.train()
         beat.device = str(run.device)  # (what the launcher names, if this rank stops answering)
         for step in range(run.start_step + 1, run.total_steps + 1):
@@ -86,6 +88,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 with run.mfu.count(batch.samples, compiled and step == run.start_step + 1):  # one step's FLOPs
                     loss, grad_norm = train_step(run, batch)
             raise_if_stopped()
+            saves.poll()  # a background save that has ended: its error raised now, old checkpoints pruned
             if step == run.start_step + 1 and (compiled or step < run.total_steps):
                 _warmed_up(run, step, time.perf_counter() - started, compiled)  # timed apart
             run.meter.window_loss += loss
@@ -100,7 +103,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 if run.best is not None:
                     improved, stop = run.best.update(step, row)
                     if improved:
-                        checkpoint(run, "best", step)
+                        checkpoint(run, saves, "best", step)
                     if stop and run.stopper is not None:
                         stopped = {"step": step, "reason": run.stopper.reason}
             if row:
@@ -109,10 +112,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                 run.progress.message(f"kiln: early stop at step {step}: {stopped['reason']}")
                 break
             if checkpoint_every and step % checkpoint_every == 0 and step < run.total_steps:
-                checkpoint(run, f"step-{step:08d}", step)
-                if run.main:
-                    Checkpoints(run.out.path).prune(keep)
-        return _finish(run, step, stopped)
+                checkpoint(run, saves, f"step-{step:08d}", step, prune=True)
+        return _finish(run, saves, step, stopped)
     except BaseException as exc:
         # Ctrl-C or SIGTERM (Terminated), also wrapped in another error or followed by one
         status = "interrupted" if stopped_by(exc) is not None else "failed"
@@ -121,6 +122,8 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         run.loggers.summary(run.out.summary)
         raise
     finally:
+        if saves is not None:
+            saves.abandon()  # a save still being written finishes (or fails) before the group goes
         torch.set_num_threads(threads)
         run.progress.close()
         run.out.close()
@@ -238,27 +241,29 @@ def _log(run: Run, step: int, row: dict[str, Any]) -> None:
     run.meter.window_start = time.perf_counter()  # evaluation and logging are not training time
 
 
-def checkpoint(run: Run, name: str, step: int) -> None:
-    """Write ``checkpoints/<name>/``. A collective: every rank writes its own shards and RNG
-    states (tensors keyed by parameter name, so any layout resumes from it); this is rank 0's
-    non-tensor state, as JSON (the fp32 master weights of bf16-true are tensors there)."""
+def checkpoint(run: Run, saves: CheckpointWriter, name: str, step: int, prune: bool = False,
+               now: bool = False) -> None:
+    """Write ``checkpoints/<name>/`` (in the background with train.async_checkpoint, unless
+    ``now``). A collective: every rank writes its own shards and RNG states (tensors keyed by
+    parameter name, so any layout resumes from it); this is rank 0's non-tensor state, as JSON
+    (the fp32 master weights of bf16-true are tensors there)."""
     precision = run.precision
-    save_checkpoint(run.out.path / CHECKPOINTS / name, run.plain_model, run.optimizer, precision, {
+    saves.save(name, run.plain_model, run.optimizer, precision, {
         "step": step, "scheduler": run.scheduler.state_dict(),
         "precision": {"mode": precision.mode, "scaler": precision.scaler.state_dict() if precision.scaler else None},
         "best": run.best.state_dict() if run.best else None,
         "data": {"epoch": run.batches.epoch, "step": run.batches.step},  # steps: the same in any layout
         **run.meter.state_dict(),
         "config": plain(run.cfg), "kiln_version": __version__,
-    })
+    }, prune=prune, now=now)
 
 
-def _finish(run: Run, step: int, stopped: dict[str, Any] | None) -> RunResult:
+def _finish(run: Run, saves: CheckpointWriter, step: int, stopped: dict[str, Any] | None) -> RunResult:
     """Final checkpoint, hf/ (a transformers model), loss.png, summary.json (marked completed last)."""
     m, layout, scaler = run.meter, run.layout, run.precision.scaler
     if stopped and m.window_steps:  # the loss of the steps since the last log
         run.last_train_loss = mean_over_ranks(m.window_loss / m.window_steps, run.world).item()
-    checkpoint(run, "final", step)
+    checkpoint(run, saves, "final", step, now=True)  # after the save in flight; the run ends with both on disk
     if run.main and _is_hf_run(run):
         # RUN_DIR/hf/ for from_pretrained, read back from the final checkpoint, which every layout
         # writes alike (whole tensors by name); the other ranks wait at the barrier below
