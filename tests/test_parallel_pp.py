@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import kiln.optim as ko
 from kiln.models import create_model
-from kiln.parallel._pp import build_pipeline, check_pipeline, cut_stage, stage_ranges
+from kiln.parallel._pp import build_pipeline, check_pipeline, cut_stage, stage_ranges, stage_ranks
 from kiln.launch.testing import run_distributed
 from kiln.parallel._zero import all_reduce_gradients
 
@@ -186,15 +186,21 @@ def _check(results: list[list[dict]], refs: dict, pp: int, dp: int) -> None:
         per_rank = [r[case] for r in results]
         name, schedule = per_rank[0]["name"], per_rank[0]["schedule"]
         ref, whole = refs[name, dp], refs[name, "whole"]
-        num_stages = pp * 2 if schedule == "interleaved-1f1b" else pp
-        # the cut: stage s on pp rank s % pp, holding exactly its blocks (+ embed first, + head last)
+        rank_of = stage_ranks(pp, schedule)
+        num_stages = len(rank_of)
+        # the cut: stage s on pp rank s % pp (looped), or ranks r and 2 pp - 1 - r on rank r (V),
+        # holding exactly its blocks (+ embed first, + head last)
         expected = _expected_stage_fqns(name, num_stages)
         for rank, res in enumerate(per_rank):
             pp_rank = rank // dp  # mesh (pp, dp): dp neighbours are consecutive ranks
-            assert sorted(res["stages"]) == list(range(pp_rank, num_stages, pp))
+            placed = {"interleaved-1f1b": list(range(pp_rank, num_stages, pp)),
+                      "interleaved-zb": list(range(pp_rank, num_stages, pp)),
+                      "zbv": [pp_rank, 2 * pp - 1 - pp_rank], "dualpipev": [pp_rank, 2 * pp - 1 - pp_rank]}
+            assert sorted(res["stages"]) == placed.get(schedule, [pp_rank])
             for s, fqns in res["stages"].items():
                 assert fqns == expected[s], (name, schedule, s)
-            assert res["is_first"] == (pp_rank == 0) and res["is_last"] == (pp_rank == pp - 1)
+            last = 0 if schedule in ("zbv", "dualpipev") else pp - 1  # the V comes back to rank 0
+            assert res["is_first"] == (pp_rank == 0) and res["is_last"] == (pp_rank == last)
         # every pp rank returns the batch's mean loss: the reference's, and the unsplit batch's
         for res in per_rank:
             assert res["losses"] == pytest.approx(ref["losses"], rel=TOL), (name, schedule)
@@ -336,3 +342,8 @@ def test_tied_embeddings_across_stages_is_refused():
 def test_models_that_are_not_embed_blocks_head_are_refused():
     with pytest.raises(TypeError, match="head\\(blocks\\(embed\\(x\\)\\)\\).*ViT"):
         cut_stage(create_model("vit", depth=2), stage_ranges(2, 2), 0)
+
+
+def test_pp2_zero_bubble_schedules_match_one_process(refs):
+    cases = [("gpt", "interleaved-zb"), ("gpt", "zbv"), ("gpt", "dualpipev"), ("bert", "zbv")]
+    _check(run_distributed(_worker, 2, cases, 2, 1), refs, pp=2, dp=1)

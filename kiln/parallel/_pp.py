@@ -482,14 +482,39 @@ def _timed_stage_class() -> type:
 
             return run
 
+        weight_pass = timed(PipelineStage.backward_weight_one_chunk)
+
         class _TimedStage(PipelineStage):
             compute_s: float | None = None  # None: not timed (build_pipeline(timing=False))
             forward_one_chunk = timed(PipelineStage.forward_one_chunk)
             backward_one_chunk = timed(PipelineStage.backward_one_chunk)
-            backward_weight_one_chunk = timed(PipelineStage.backward_weight_one_chunk)
+
+            def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+                # torch's weight pass (the zero-bubble schedules' W) adds its gradients to p.grad
+                # by hand after torch.autograd.grad, so autograd's post-accumulate-grad hooks never
+                # fire: kiln's arena optimizer, which learns from them which parameters got a
+                # gradient, would skip every one of them in its step. Fire them as autograd would.
+                reached = _weight_pass_parameters(self, bwd_chunk_id)
+                weight_pass(self, bwd_chunk_id, last_backward=last_backward)
+                for p in reached:
+                    for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
+                        hook(p)
 
         _TIMED_STAGE = _TimedStage
     return _TIMED_STAGE
+
+
+def _weight_pass_parameters(stage: Any, chunk: int) -> list[nn.Parameter]:
+    """The parameters torch's weight pass of micro-batch ``chunk`` will write by hand: those its
+    input pass reached (their gradient accumulators are in the saved parameter groups). Stage 0
+    runs the whole backward there instead (autograd's own accumulation, hooks and all), and a
+    ``dw_builder`` stage its own function: nothing to add for either."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    if stage.stage_index == 0 or stage.dw_builder is not None or chunk not in stage.backward_state:
+        return []
+    reached = {node for group in stage.backward_state[chunk][1] for node in group["params"]}
+    return [p for p in stage.submod.parameters() if p.requires_grad and _get_grad_fn_or_grad_acc(p) in reached]
 
 
 def _forward_only(schedule: Any) -> Any:
