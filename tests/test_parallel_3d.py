@@ -40,7 +40,19 @@ CASES = [
     ("gpt", 2, 1, 2, 2, "gpipe"),  # ZeRO-2 over dp, on each stage's arena
     ("bert", 2, 2, 1, 3, "1f1b"),  # FSDP2 over dp on top of tensor parallel
     ("gpt", 2, 1, 2, 3, "1f1b"),  # FSDP2 over dp on each pipeline stage
+    # the zero-bubble schedules: tp x pp, dp x pp (replicated, and ZeRO-2 over dp), pp=4 alone
+    ("gpt", 1, 2, 2, 0, "zbv"),
+    ("bert", 1, 2, 2, 0, "interleaved-zb"),
+    ("gpt", 2, 1, 2, 2, "dualpipev"),
+    ("bert", 2, 1, 2, 0, "zbv"),
+    ("gpt", 1, 1, 4, 0, "zbv"),  # 8 stages: 2 x pp, in a V
+    ("bert", 1, 1, 4, 0, "interleaved-zb"),
 ]
+V_SCHEDULES = ("zbv", "dualpipev")  # the last stage comes back to pp rank 0
+
+
+def _model_kw(pp: int) -> dict:
+    return dict(MODEL, depth=8) if pp > 2 else MODEL  # a block for each of the 2 x pp stages
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -64,7 +76,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _run_case(rank: int, name: str, dp: int, tp: int, pp: int, zero: int, schedule: str) -> dict:
     torch.manual_seed(0)
     layout = Layout(dp, tp, pp)
-    par = parallelize(create_model(name, **MODEL), layout, zero=zero, pp_schedule=schedule, microbatches=M,
+    par = parallelize(create_model(name, **_model_kw(pp)), layout, zero=zero, pp_schedule=schedule, microbatches=M,
                       loss_fn=_loss)
     opt = par.data_parallel(_optimizer(par.model.parameters(), par.arena))  # ZeRO-1/2: the wrapper
     me = layout.coords(rank)
@@ -95,9 +107,9 @@ def _worker(rank: int, world: int) -> list[dict]:
     return [_run_case(rank, *case) for case in CASES]
 
 
-def _reference(name: str, dp: int) -> dict:
+def _reference(name: str, dp: int, pp: int) -> dict:
     torch.manual_seed(0)
-    model = create_model(name, **MODEL)
+    model = create_model(name, **_model_kw(pp))
     opt = _optimizer(model.parameters(), True)
     losses, grads, norms = [], [], []
     for inputs, targets in _batches():
@@ -128,7 +140,7 @@ def results() -> list[list[dict]]:
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
 def test_layout_trains_like_one_process(results, case):
     name, dp, tp, pp, zero, schedule = CASES[case]
-    ref = _reference(name, dp)
+    ref = _reference(name, dp, pp)
     outs = [r[case] for r in results]
     merged_params: dict[str, torch.Tensor] = {}
     merged_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(STEPS)]
@@ -153,11 +165,16 @@ def test_layout_trains_like_one_process(results, case):
                     assert got.abs().max() < NOISE and value.abs().max() < NOISE, fqn
                     continue
                 err = ((got - value).abs().max() / value.abs().max()).item()
-                assert err < RTOL, (f"step {step + 1}", fqn, err)
+                # 8 blocks over 8 stages: a third step's gradients that Adam-moved weights feed
+                # differ by up to ~1.2e-5 (the pipeline's summation order); held to 1e-4 there
+                assert err < (RTOL if pp <= 2 else 1e-4), (f"step {step + 1}", fqn, err)
     if pp > 1:
         # each pipeline rank holds only its stages' parameters
         by_pp = {}
         for out in outs:
             by_pp.setdefault(out["coords"]["pp"], set()).update(out["params"])
         assert not by_pp[0] & by_pp[1]
-        assert "embed.tok.weight" in by_pp[0] and not any(k.startswith("head.") for k in by_pp[0])
+        head_on = 0 if schedule in V_SCHEDULES else pp - 1
+        for r, held in by_pp.items():
+            assert ("embed.tok.weight" in held) == (r == 0), r
+            assert any(k.startswith("head.") for k in held) == (r == head_on), r
