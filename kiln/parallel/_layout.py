@@ -230,8 +230,14 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
     if layout.pp > 1:
         from kiln.parallel._pp import build_pipeline
 
+        from kiln.parallel._pp import SPLIT_BACKWARD
+
         if loss_fn is None:
             raise ValueError("parallelize: pp > 1 needs loss_fn(logits, targets), which the schedule calls")
+        if zero == 3 and layout.dp > 1 and pp_schedule in SPLIT_BACKWARD:
+            raise ValueError(f"parallelize: pp_schedule={pp_schedule!r} computes the weight gradients in a pass of "
+                             "their own, which FSDP2 (zero=3) does not reduce; use zero=1 or 2, or schedule "
+                             "1f1b, interleaved-1f1b or gpipe")
         pipeline = build_pipeline(model, mesh["pp"].get_group(), schedule=pp_schedule,
                                   microbatches=microbatches or 2 * layout.pp, loss_fn=loss_fn, sizes=pp_stages,
                                   device=device, timing=timing, plan=plan)

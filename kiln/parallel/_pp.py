@@ -69,9 +69,8 @@ from torch import nn
 
 from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, model_plan, models_with
 
-__all__ = ["SCHEDULES", "PP_SCHEDULES", "stage_ranks", "schedule_bubble", "stage_ranges", "check_pipeline", "cut_stage",
-           "stage_of_parameters", "build_pipeline", "Pipeline"]
-
+__all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "schedule_bubble", "stage_ranges",
+           "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline", "Pipeline"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +94,7 @@ SCHEDULES = {
     "dualpipev": _Kind("ScheduleDualPipeV", "v", True, "stages"),
 }
 PP_SCHEDULES = tuple(SCHEDULES)  # the names, for benchmarks and the layout search
+SPLIT_BACKWARD = tuple(name for name, kind in SCHEDULES.items() if kind.split_backward)  # the zero-bubble ones
 _MAX_RUNNERS = 4  # distinct (mode, batch shape) pipelines kept built; see Pipeline._runner
 
 
