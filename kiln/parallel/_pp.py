@@ -448,12 +448,22 @@ class _StageCall(nn.Module):
     """A stage module run as its plan's ``call`` says (``call(stage, x, first)``), for torch's
     PipelineStage, which passes tensors between stages."""
 
-    def __init__(self, stage: nn.Module, call: Callable[..., Any], first: bool) -> None:
+    def __init__(self, stage: nn.Module, call: Callable[..., Any], first: bool, own_output: bool = False) -> None:
         super().__init__()
-        self.stage, self.call, self.first = stage, call, first
+        self.stage, self.call, self.first, self.own_output = stage, call, first, own_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.call(self.stage, x, self.first)
+        out = self.call(self.stage, x, self.first)
+        if not (self.own_output and out._is_view()):
+            return out
+        # The zero-bubble schedules' input pass detaches each stage output in place, which a view
+        # refuses: a Hugging Face causal LM's stage without the head returns hidden_states[:, -0:, :]
+        # (the slice its head would read), under tensor parallelism a view of the local shard
+        base = out._base
+        if base.requires_grad == out.requires_grad and (base.shape, base.stride(), base.storage_offset()) == (
+                out.shape, out.stride(), out.storage_offset()):
+            return base  # the whole of a tensor autograd tracks: the same values and gradient path
+        return out.clone()
 
 
 # -- the pipeline ---------------------------------------------------------------------------------
@@ -713,7 +723,8 @@ class Pipeline:
         from torch.distributed import pipelining
 
         stage_cls = _timed_stage_class()
-        run = [module if self.call is None else _StageCall(module, self.call, first=index == 0)
+        run = [module if self.call is None else _StageCall(module, self.call, first=index == 0,
+                                                           own_output=SCHEDULES[self.schedule].split_backward)
                for module, index in zip(self.stages, self.stage_indices)]
         stages = [stage_cls(module, index, self.num_stages, self.device, group=self.pp_group)
                   for module, index in zip(run, self.stage_indices)]
