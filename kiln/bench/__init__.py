@@ -36,6 +36,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
            "tokens/s, MFU, tensor and process peak memory, loss difference"),
     "overhead": ("kiln.bench.overhead", "host time per step on a model whose compute is negligible (7 K-parameter MLP, batch 8): "
                  "kiln train vs the plain loop, microseconds"),
+    "pp-schedules": ("kiln.bench.pp_schedules", "every pipeline schedule (gpipe, 1f1b, interleaved-1f1b and the zero-bubble "
+                     "interleaved-zb, zbv, dualpipev) at pp=2, same stages and micro-batches: each rank's measured idle "
+                     "share beside the schedule's theoretical bubble, step time"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
     "gpu": ("kiln.bench.gpu", "what to run when a GPU is lent: lm, vit, encoder-layer --hidden 1024, hf, optimizer and plan "
             "in their quick forms on one GPU, in at most 8 minutes, into docs/lab/gpu.md "
