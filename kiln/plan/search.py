@@ -316,7 +316,7 @@ def _no_fit_message(found: Search, nproc: int) -> str:
         invalid = [c.note for c in found.candidates if c.note]
         return "no configuration could be planned" + (f": {invalid[0]}" if invalid else "")
     least = min(planned, key=lambda c: c.plan.needs_bytes)
-    tried = {k: {c[k] for c in found.candidates} for k in AXES}
+    tried = {k: {c.settings.get(k) for c in found.candidates} for k in AXES}
     moves = []
     if 3 not in tried["parallel.zero"] and max(c["parallel.dp"] for c in found.candidates) > 1:
         moves.append("ZeRO-3 (parallel.zero=3)")
