@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, "
             "compile, batch, bf16-true (digits ViT on CPU, ViT-B/16 at 224 pixels with --device cuda)"),
     "plan": ("kiln.bench.plan", "kiln plan's predicted peak memory of a training step against the allocator's record: "
-             "5 model families x precision x activation checkpointing x micro-batch x layouts (ZeRO 0-3, tp, pp, tp x pp)"),
+             "5 model families x precision x activation checkpointing x micro-batch x layouts (ZeRO 0-3, tp, pp under each schedule, tp x pp)"),
     "lm": ("kiln.bench.lm", "GPT-2 small (124 M) trained by kiln train (default, compile) vs the loop nanoGPT writes: "
            "tokens/s, MFU, tensor and process peak memory, loss difference"),
     "overhead": ("kiln.bench.overhead", "host time per step on a model whose compute is negligible (7 K-parameter MLP, batch 8): "
