@@ -11,7 +11,7 @@ import pytest
 
 from kiln.bench import BENCHMARKS, get_benchmark
 from kiln.bench import pp_schedules as bench
-from kiln.parallel._pp import PP_SCHEDULES
+from kiln.parallel import PP_SCHEDULES
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 

@@ -15,7 +15,7 @@ import pytest
 
 from kiln.commands import main
 from kiln.config import ConfigError, load_config
-from kiln.parallel._pp import PP_SCHEDULES
+from kiln.parallel import PP_SCHEDULES
 from launched import kiln_here
 
 ROOT = Path(__file__).resolve().parents[1]

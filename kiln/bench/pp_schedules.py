@@ -91,15 +91,15 @@ def _worker(rank: int, world: int, schedules: list[str], s: dict[str, Any]) -> d
 
 
 def _row(name: str, ranks: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, Any]:
-    from kiln.parallel._pp import SCHEDULES, schedule_bubble, stage_ranks
+    from kiln.parallel import SPLIT_BACKWARD, schedule_bubble, stage_ranks
 
     pp, m = len(ranks), s["microbatches"]
     steps = [r["steps"][name] for r in ranks]
     walls = [max(rank[i]["wall_s"] for rank in steps) for i in range(len(steps[0]))]  # the pipeline's step
     idle = [statistics.median(1 - st["compute_s"] / w for st, w in zip(rank, walls)) for rank in steps]
     theory = schedule_bubble(name, pp, m)
-    return {"schedule": name, "torch_class": SCHEDULES[name].torch_class, "stages": len(stage_ranks(pp, name)),
-            "pp": pp, "microbatches": m, "zero_bubble": SCHEDULES[name].split_backward,
+    return {"schedule": name, "stages": len(stage_ranks(pp, name)),
+            "pp": pp, "microbatches": m, "zero_bubble": name in SPLIT_BACKWARD,
             "bubble_theory": sum(theory) / pp, "bubble_theory_per_rank": theory, "idle_per_rank": idle,
             "idle_mean": sum(idle) / pp, "pipeline_ms": statistics.median(walls) * 1e3,
             "step_ms": statistics.median(st["step_s"] for st in steps[0]) * 1e3,
@@ -119,7 +119,7 @@ def measure(quick: bool = False, *, settings: dict[str, Any] | None = None,
     """Every schedule at ``PP`` ranks. ``settings`` (see :func:`settings_for`) and ``schedules``
     narrow the run (tests)."""
     from kiln.launch.testing import run_distributed
-    from kiln.parallel._pp import PP_SCHEDULES, check_pipeline
+    from kiln.parallel import PP_SCHEDULES, check_pipeline
 
     s = settings or settings_for(quick)
     names = list(schedules or PP_SCHEDULES)

@@ -79,7 +79,7 @@ def pipeline_stretch(schedule: str, pp: int, microbatches: int) -> float:
     """
     if pp <= 1:
         return 1.0
-    from kiln.parallel._pp import schedule_bubble
+    from kiln.parallel import schedule_bubble
 
     idle = schedule_bubble(schedule, pp, microbatches)
     return round(1.0 / (1.0 - sum(idle) / len(idle)), 12)  # (unit costs: exact fractions, less the round-off)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from kiln.errors import ConfigError
-from kiln.parallel._pp import PP_SCHEDULES, SPLIT_BACKWARD
+from kiln.parallel import PP_SCHEDULES, SPLIT_BACKWARD
 from kiln.plan._costmodel import pipeline_stretch
 
 __all__ = ["AXES", "Candidate", "NoFit", "Search", "search"]
