@@ -228,9 +228,7 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
     pipeline = None
     modules = [model]
     if layout.pp > 1:
-        from kiln.parallel._pp import build_pipeline
-
-        from kiln.parallel._pp import SPLIT_BACKWARD
+        from kiln.parallel._pp import SPLIT_BACKWARD, build_pipeline
 
         if loss_fn is None:
             raise ValueError("parallelize: pp > 1 needs loss_fn(logits, targets), which the schedule calls")
