@@ -5,7 +5,8 @@ Tiny Llama (grouped-query attention), GPT-2 (the fused q/k/v Conv1D) and BERT (m
 laid out by ``kiln.parallel.parallelize``, the path ``kiln train`` takes, and one step's loss
 and every parameter's gradient are compared with transformers in this process on the same
 weights and batch. Two spawns carry everything: 2 processes (tp=2 with and without sequence
-parallelism, pp=2 under 1F1B, GPipe and interleaved 1F1B) and 4 (tp=2 x pp=2, dp=2 x tp=2 under FSDP2).
+parallelism, pp=2 under 1F1B, GPipe, interleaved 1F1B and the zero-bubble
+interleaved ZB, ZB-V and DualPipeV) and 4 (tp=2 x pp=2, dp=2 x tp=2 under FSDP2).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _one_step(family: str, dp: int, tp: int, pp: int, *, tie: bool = True, sp: bool = False, zero: int = 0,
-              schedule: str = "1f1b") -> tuple[float, dict[str, torch.Tensor]]:
+              schedule: str = "1f1b", microbatches: int = 2) -> tuple[float, dict[str, torch.Tensor]]:
     """This rank's loss and the gradients it holds (whole tensors) after one step in the layout."""
     import torch.distributed as dist
 
@@ -76,7 +77,7 @@ def _one_step(family: str, dp: int, tp: int, pp: int, *, tie: bool = True, sp: b
     rank = dist.get_rank()
     coords = layout.coords(rank)
     par = parallelize(_model(family, tie), layout, zero=zero, sequence_parallel=sp, pp_schedule=schedule,
-                      microbatches=2, loss_fn=_loss)
+                      microbatches=microbatches, loss_fn=_loss)
     ids, targets = _batch()
     per = B // dp
     ids, targets = ids[coords["dp"] * per:(coords["dp"] + 1) * per], targets[coords["dp"] * per:(coords["dp"] + 1) * per]
@@ -103,6 +104,10 @@ def _two(rank: int, world: int) -> dict[str, tuple[float, dict[str, torch.Tensor
     runs.update({f"{f}-pp2": dict(family=f, tie=False) for f in ("llama", "gpt2")})
     runs["bert-pp2"] = dict(family="bert", tie=False, schedule="gpipe")
     runs["llama4-pp2-interleaved"] = dict(family="llama4", tie=False, schedule="interleaved-1f1b")
+    # the zero-bubble schedules: 4 stages over 2 ranks, looped and in a V (DualPipeV: a micro-batch a stage)
+    runs["llama4-pp2-interleaved-zb"] = dict(family="llama4", tie=False, schedule="interleaved-zb")
+    runs["llama4-pp2-zbv"] = dict(family="llama4", tie=False, schedule="zbv")
+    runs["llama4-pp2-dualpipev"] = dict(family="llama4", tie=False, schedule="dualpipev", microbatches=4)
     out = {}
     for name, kw in runs.items():
         tp, pp = (1, 2) if "-pp2" in name else (2, 1)
@@ -115,6 +120,7 @@ def _four(rank: int, world: int) -> dict[str, tuple[float, dict[str, torch.Tenso
     for family in ("llama", "gpt2"):
         out[f"{family}-tp2xpp2"] = _one_step(family, 1, 2, 2, tie=False)
         out[f"{family}-dp2xtp2-fsdp"] = _one_step(family, 2, 2, 1, zero=3)
+    out["llama4-tp2xpp2-zbv"] = _one_step("llama4", 1, 2, 2, tie=False, schedule="zbv")
     return out
 
 

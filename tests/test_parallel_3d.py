@@ -40,7 +40,24 @@ CASES = [
     ("gpt", 2, 1, 2, 2, "gpipe"),  # ZeRO-2 over dp, on each stage's arena
     ("bert", 2, 2, 1, 3, "1f1b"),  # FSDP2 over dp on top of tensor parallel
     ("gpt", 2, 1, 2, 3, "1f1b"),  # FSDP2 over dp on each pipeline stage
+    # the zero-bubble schedules: tp x pp, dp x pp (replicated, and ZeRO-2 over dp), pp=4 alone
+    ("gpt", 1, 2, 2, 0, "zbv"),
+    ("bert", 1, 2, 2, 0, "interleaved-zb"),
+    ("gpt", 2, 1, 2, 2, "dualpipev"),
+    ("bert", 2, 1, 2, 0, "zbv"),
+    ("gpt", 1, 1, 4, 0, "zbv"),  # 8 stages: 2 x pp, in a V
+    ("bert", 1, 1, 4, 0, "interleaved-zb"),
+    ("gpt", 1, 1, 4, 0, "dualpipev"),  # a micro-batch a stage: 8 of one sample
 ]
+V_SCHEDULES = ("zbv", "dualpipev")  # the last stage comes back to pp rank 0
+
+
+def _model_kw(pp: int) -> dict:
+    return dict(MODEL, depth=8) if pp > 2 else MODEL  # a block for each of the 2 x pp stages
+
+
+def _micro(pp: int, schedule: str) -> int:
+    return max(M, 2 * pp) if schedule == "dualpipev" else M  # DualPipeV: at least a micro-batch a stage
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -64,7 +81,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _run_case(rank: int, name: str, dp: int, tp: int, pp: int, zero: int, schedule: str) -> dict:
     torch.manual_seed(0)
     layout = Layout(dp, tp, pp)
-    par = parallelize(create_model(name, **MODEL), layout, zero=zero, pp_schedule=schedule, microbatches=M,
+    m = _micro(pp, schedule)
+    par = parallelize(create_model(name, **_model_kw(pp)), layout, zero=zero, pp_schedule=schedule, microbatches=m,
                       loss_fn=_loss)
     opt = par.data_parallel(_optimizer(par.model.parameters(), par.arena))  # ZeRO-1/2: the wrapper
     me = layout.coords(rank)
@@ -76,8 +94,8 @@ def _run_case(rank: int, name: str, dp: int, tp: int, pp: int, zero: int, schedu
         else:
             with par.loss_context():
                 loss = 0.0
-                for xm, ym in zip(x.chunk(M), y.chunk(M)):  # the reference's micro-batches
-                    part = _loss(par.model(xm), ym) / M
+                for xm, ym in zip(x.chunk(m), y.chunk(m)):  # the reference's micro-batches
+                    part = _loss(par.model(xm), ym) / m
                     part.backward()
                     loss = loss + par.value(part)
         par.reduce_gradients()
@@ -95,19 +113,19 @@ def _worker(rank: int, world: int) -> list[dict]:
     return [_run_case(rank, *case) for case in CASES]
 
 
-def _reference(name: str, dp: int) -> dict:
+def _reference(name: str, dp: int, pp: int, m: int = M) -> dict:
     torch.manual_seed(0)
-    model = create_model(name, **MODEL)
+    model = create_model(name, **_model_kw(pp))
     opt = _optimizer(model.parameters(), True)
     losses, grads, norms = [], [], []
     for inputs, targets in _batches():
         per_rank = []
         # dp ranks each average over their half, then the halves are averaged: per micro-batch
-        # loss / (M * dp) over dp * M micro-batches of BATCH / (dp * M)
+        # loss / (m * dp) over dp * m micro-batches of BATCH / (dp * m)
         for x, y in zip(inputs.chunk(dp), targets.chunk(dp)):
             total = 0.0
-            for xm, ym in zip(x.chunk(M), y.chunk(M)):
-                part = _loss(model(xm), ym) / (M * dp)
+            for xm, ym in zip(x.chunk(m), y.chunk(m)):
+                part = _loss(model(xm), ym) / (m * dp)
                 part.backward()
                 total += part.item() * dp
             per_rank.append(total)
@@ -128,7 +146,7 @@ def results() -> list[list[dict]]:
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
 def test_layout_trains_like_one_process(results, case):
     name, dp, tp, pp, zero, schedule = CASES[case]
-    ref = _reference(name, dp)
+    ref = _reference(name, dp, pp, _micro(pp, schedule))
     outs = [r[case] for r in results]
     merged_params: dict[str, torch.Tensor] = {}
     merged_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(STEPS)]
@@ -153,11 +171,16 @@ def test_layout_trains_like_one_process(results, case):
                     assert got.abs().max() < NOISE and value.abs().max() < NOISE, fqn
                     continue
                 err = ((got - value).abs().max() / value.abs().max()).item()
-                assert err < RTOL, (f"step {step + 1}", fqn, err)
+                # 8 blocks over 8 stages: a third step's gradients that Adam-moved weights feed
+                # differ by up to ~1.2e-5 (the pipeline's summation order); held to 1e-4 there
+                assert err < (RTOL if pp <= 2 else 1e-4), (f"step {step + 1}", fqn, err)
     if pp > 1:
         # each pipeline rank holds only its stages' parameters
         by_pp = {}
         for out in outs:
             by_pp.setdefault(out["coords"]["pp"], set()).update(out["params"])
         assert not by_pp[0] & by_pp[1]
-        assert "embed.tok.weight" in by_pp[0] and not any(k.startswith("head.") for k in by_pp[0])
+        head_on = 0 if schedule in V_SCHEDULES else pp - 1
+        for r, held in by_pp.items():
+            assert ("embed.tok.weight" in held) == (r == 0), r
+            assert any(k.startswith("head.") for k in held) == (r == head_on), r

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import kiln.optim as ko
 from kiln.models import create_model
-from kiln.parallel._pp import build_pipeline, check_pipeline, cut_stage, stage_ranges
+from kiln.parallel._pp import (_torch_order, build_pipeline, check_pipeline, cut_stage, schedule_bubble, stage_ranges,
+                              stage_ranks)
 from kiln.launch.testing import run_distributed
 from kiln.parallel._zero import all_reduce_gradients
 
@@ -186,15 +187,21 @@ def _check(results: list[list[dict]], refs: dict, pp: int, dp: int) -> None:
         per_rank = [r[case] for r in results]
         name, schedule = per_rank[0]["name"], per_rank[0]["schedule"]
         ref, whole = refs[name, dp], refs[name, "whole"]
-        num_stages = pp * 2 if schedule == "interleaved-1f1b" else pp
-        # the cut: stage s on pp rank s % pp, holding exactly its blocks (+ embed first, + head last)
+        rank_of = stage_ranks(pp, schedule)
+        num_stages = len(rank_of)
+        # the cut: stage s on pp rank s % pp (looped), or ranks r and 2 pp - 1 - r on rank r (V),
+        # holding exactly its blocks (+ embed first, + head last)
         expected = _expected_stage_fqns(name, num_stages)
         for rank, res in enumerate(per_rank):
             pp_rank = rank // dp  # mesh (pp, dp): dp neighbours are consecutive ranks
-            assert sorted(res["stages"]) == list(range(pp_rank, num_stages, pp))
+            placed = {"interleaved-1f1b": list(range(pp_rank, num_stages, pp)),
+                      "interleaved-zb": list(range(pp_rank, num_stages, pp)),
+                      "zbv": [pp_rank, 2 * pp - 1 - pp_rank], "dualpipev": [pp_rank, 2 * pp - 1 - pp_rank]}
+            assert sorted(res["stages"]) == placed.get(schedule, [pp_rank])
             for s, fqns in res["stages"].items():
                 assert fqns == expected[s], (name, schedule, s)
-            assert res["is_first"] == (pp_rank == 0) and res["is_last"] == (pp_rank == pp - 1)
+            last = 0 if schedule in ("zbv", "dualpipev") else pp - 1  # the V comes back to rank 0
+            assert res["is_first"] == (pp_rank == 0) and res["is_last"] == (pp_rank == last)
         # every pp rank returns the batch's mean loss: the reference's, and the unsplit batch's
         for res in per_rank:
             assert res["losses"] == pytest.approx(ref["losses"], rel=TOL), (name, schedule)
@@ -286,6 +293,12 @@ def test_stage_ranges_rejects_bad_sizes(sizes, words):
     ((8, 2, "interleaved-1f1b", 1, 8), ["microbatches=1 < pp=2"]),
     ((8, 2, "interleaved-1f1b", 5, 10), ["2 rounds", "microbatches=5", "multiple of pp=2"]),
     ((4, 2, "gpipe", 2, 8, [3, 3]), ["sums to 6", "depth=4"]),
+    # the zero-bubble schedules: the V needs 2 x pp blocks, DualPipeV a micro-batch per stage,
+    # the looped one the rounds of the interleaved one
+    ((3, 2, "zbv", 4, 8), ["depth=3", "2 x pp=2 = 4 (two a rank, in a V)", "schedule 1f1b"]),
+    ((8, 2, "dualpipev", 2, 8), ["microbatches=2 < 2 x pp = 4 stages", ">= 4", "schedule zbv"]),
+    ((8, 2, "interleaved-zb", 1, 8), ["microbatches=1 < pp=2"]),
+    ((8, 2, "interleaved-zb", 5, 10), ["ScheduleInterleavedZeroBubble", "2 rounds", "multiple of pp=2"]),
     ((4, 2, "gpipe", 0, 8), ["microbatches=0"]),
 ])
 def test_check_pipeline_errors_name_numbers_and_fix(args, words):
@@ -301,6 +314,63 @@ def test_check_pipeline_accepts_valid_configs():
     check_pipeline(8, 4, "interleaved-1f1b", 6, 12)  # torch's flexible rounds: 1 round of 6
     check_pipeline(4, 2, "GPipe", 2, 8, [3, 1])
     check_pipeline(1, 1, "1f1b", 1, 3)  # pp=1: no pipeline
+    check_pipeline(4, 2, "zbv", 1, 8)  # ZB-V: torch pads its order, any micro-batch count runs
+    check_pipeline(4, 2, "dualpipev", 4, 8)
+    check_pipeline(8, 4, "interleaved-zb", 4, 8)
+
+
+@pytest.mark.parametrize("schedule, pp, m", [(s, pp, m) for s in ("interleaved-zb", "zbv", "dualpipev")
+                                              for pp, m in ((2, 4), (4, 8))])
+def test_every_checked_schedule_is_one_torch_builds(schedule, pp, m):
+    """What check_pipeline accepts, torch's class accepts and orders without deadlock (the
+    order computed on every rank, as its constructor does), and what it refuses torch refuses."""
+    check_pipeline(2 * pp, pp, schedule, m, m)
+    assert len(schedule_bubble(schedule, pp, m)) == pp
+    if schedule == "dualpipev":
+        with pytest.raises(ValueError, match="at least one micro-batch per pipeline stage"):
+            check_pipeline(2 * pp, pp, schedule, m - 1, m - 1)
+        with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+            _torch_order(schedule, pp, m - 1)
+
+
+def test_stage_ranks_place_the_v_and_the_loop():
+    assert stage_ranks(2, "1f1b") == [0, 1]
+    assert stage_ranks(2, "interleaved-zb") == [0, 1, 0, 1]
+    assert stage_ranks(4, "zbv") == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert stage_ranks(4, "dualpipev") == stage_ranks(4, "zbv")
+    # torch's own mapping for its V schedules
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+    assert [generate_stage_to_rank_mapping(4, 8, style="v")[s] for s in range(8)] == stage_ranks(4, "zbv")
+
+
+def test_schedule_bubble_textbook_numbers():
+    """The unit-cost model reproduces the textbook bubbles: fill-drain's (p - 1) / (m + p - 1) for
+    GPipe and 1F1B, and lower ones for the schedules that fill it with weight work."""
+    for pp, m in ((2, 4), (4, 8)):
+        fill_drain = (pp - 1) / (m + pp - 1)
+        assert max(schedule_bubble("gpipe", pp, m)) == pytest.approx(fill_drain)
+        assert max(schedule_bubble("1f1b", pp, m)) == pytest.approx(fill_drain)
+        for zb in ("interleaved-zb", "zbv", "dualpipev"):
+            assert sum(schedule_bubble(zb, pp, m)) / pp < fill_drain, (zb, pp, m)
+    # interleaved 1F1B with v = 2: (p - 1) / (v m + p - 1); the zero-bubble ones at pp=2, m=4:
+    # 24 units of work a rank (2 stages x 4 micro-batches x F, I, W) in 25
+    assert schedule_bubble("interleaved-1f1b", 2, 4) == pytest.approx([1 / 9, 1 / 9])
+    for zb in ("interleaved-zb", "zbv", "dualpipev"):
+        assert schedule_bubble(zb, 2, 4) == pytest.approx([1 / 25, 1 / 25]), zb
+
+
+def test_fsdp2_with_a_split_backward_is_refused_before_building():
+    from kiln.config import ConfigError, validate
+    from kiln.parallel import check_parallel_config
+
+    base = {"model": {"name": "gpt", "depth": 4}, "train": {"max_steps": 1}, "data": {"name": "synthetic_tokens"}}
+    check_parallel_config(validate({**base, "parallel": {"pp": 2, "zero": 2, "pp_schedule": "zbv"}}))
+    with pytest.raises(ConfigError, match=r"parallel.pp_schedule=zbv computes the weight gradients .* "
+                                          r"Use parallel.zero=1 or 2 .* 1f1b, interleaved-1f1b or gpipe"):
+        check_parallel_config(validate({**base, "parallel": {"pp": 2, "zero": 3, "pp_schedule": "zbv"}}))
+    with pytest.raises(ConfigError, match=r"microbatches=2 < 2 x pp = 4 stages"):
+        check_parallel_config(validate({**base, "parallel": {"pp": 2, "microbatches": 2,
+                                                             "pp_schedule": "dualpipev"}}))
 
 
 @pytest.mark.parametrize("name", ["gpt", "bert"])
@@ -336,3 +406,8 @@ def test_tied_embeddings_across_stages_is_refused():
 def test_models_that_are_not_embed_blocks_head_are_refused():
     with pytest.raises(TypeError, match="head\\(blocks\\(embed\\(x\\)\\)\\).*ViT"):
         cut_stage(create_model("vit", depth=2), stage_ranges(2, 2), 0)
+
+
+def test_pp2_zero_bubble_schedules_match_one_process(refs):
+    cases = [("gpt", "interleaved-zb"), ("gpt", "zbv"), ("gpt", "dualpipev"), ("bert", "zbv")]
+    _check(run_distributed(_worker, 2, cases, 2, 1), refs, pp=2, dp=1)

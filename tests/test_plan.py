@@ -59,6 +59,8 @@ def test_the_chunked_lm_loss_is_planned_as_it_runs_and_its_drop_is_the_logits_at
 @pytest.mark.parametrize("case", [
     row("gpt", "fp32", world=2, zero=2, small=True),
     row("gpt", "fp32", world=2, pp=2, pp_schedule="1f1b", small=True),
+    # two stages a rank in a V (a block each), the weight passes holding activations longer
+    row("gpt", "fp32", world=2, pp=2, pp_schedule="zbv", small=True, overrides=("model.depth=4",)),
     row("gpt", "fp32", world=2, tp=2, small=True),
 ], ids=lambda r: r["label"] if isinstance(r, dict) else None)
 def test_plan_matches_the_allocator_on_every_rank_of_a_layout(case):

@@ -15,6 +15,7 @@ import pytest
 
 from kiln.commands import main
 from kiln.config import ConfigError, load_config
+from kiln.parallel import PP_SCHEDULES
 from launched import kiln_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,16 @@ def test_the_space_holds_the_layouts_the_family_allows():
     assert layouts == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
     assert {c["parallel.zero"] for c in cands if c["parallel.dp"] == 1} == {0}
     assert {c["train.accumulate"] for c in cands} == {1, 2, 4}
-    assert len(cands) == 4 * 3 * 3 * 2 + 2 * (3 * 3 * 2)
+    # a pipeline layout once per schedule; the others name none
+    assert {c.settings.get("parallel.pp_schedule") for c in cands if c["parallel.pp"] == 2} == set(PP_SCHEDULES)
+    assert all("parallel.pp_schedule" not in c.settings for c in cands if c["parallel.pp"] == 1)
+    assert len(cands) == 4 * 3 * 3 * 2 + (1 + len(PP_SCHEDULES)) * (3 * 3 * 2)
+    zbv = space(load, 2, {"parallel.pp_schedule": "zbv"}, precisions=("fp32",), compiles=(False,))
+    assert {c.settings.get("parallel.pp_schedule") for c in zbv if c["parallel.pp"] == 2} == {"zbv"}
+    # DualPipeV needs a micro-batch a stage (4 at pp=2): with 2 micro-batches it is no candidate
+    few = space(lambda more: load_config(GPT, ["parallel.microbatches=2", *more]), 2, {"parallel.pp": 2},
+                precisions=("fp32",), compiles=(False,))
+    assert {c["parallel.pp_schedule"] for c in few} == set(PP_SCHEDULES) - {"dualpipev"}
     # a pinned key is not searched; an MLP has no tensor- or pipeline-parallel plan
     pinned = space(load, 2, {"parallel.tp": 2, "train.precision": "fp32"}, precisions=("fp32", "bf16-mixed"),
                    compiles=(False,))
@@ -255,3 +265,14 @@ def test_every_configuration_tune_proposes_fits_when_run(tmp_path):
         if c["measured_peak_bytes"] is not None:
             assert c["measured_peak_bytes"] == pytest.approx(c["predicted_peak_bytes"], rel=0.05)
     assert f"kiln train {GPT} --nproc 2 train.precision=fp32 " in done.stdout
+
+
+def test_a_pipelines_time_is_stretched_by_its_schedules_bubble():
+    from kiln.plan._costmodel import pipeline_stretch
+
+    assert pipeline_stretch("1f1b", 1, 4) == 1.0
+    assert pipeline_stretch("1f1b", 2, 4) == pytest.approx(5 / 4)  # (m + pp - 1) / m, as before
+    assert pipeline_stretch("gpipe", 4, 8) == pytest.approx(11 / 8)
+    assert pipeline_stretch("interleaved-1f1b", 2, 4) == pytest.approx(9 / 8)  # (v m + pp - 1) / (v m)
+    for zb in ("interleaved-zb", "zbv", "dualpipev"):
+        assert pipeline_stretch(zb, 2, 4) == pytest.approx(25 / 24)  # their weight work fills the rest

@@ -33,11 +33,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vit": ("kiln.bench.vit", "Meta's faster-ViT table, cumulative: AMP, FSDP, multi-tensor optimizer, pooling, batch-second, "
             "compile, batch, bf16-true (digits ViT on CPU, ViT-B/16 at 224 pixels with --device cuda)"),
     "plan": ("kiln.bench.plan", "kiln plan's predicted peak memory of a training step against the allocator's record: "
-             "5 model families x precision x activation checkpointing x micro-batch x layouts (ZeRO 0-3, tp, pp, tp x pp)"),
+             "5 model families x precision x activation checkpointing x micro-batch x layouts (ZeRO 0-3, tp, pp under each schedule, tp x pp)"),
     "lm": ("kiln.bench.lm", "GPT-2 small (124 M) trained by kiln train (default, compile) vs the loop nanoGPT writes: "
            "tokens/s, MFU, tensor and process peak memory, loss difference"),
     "overhead": ("kiln.bench.overhead", "host time per step on a model whose compute is negligible (7 K-parameter MLP, batch 8): "
                  "kiln train vs the plain loop, microseconds"),
+    "pp-schedules": ("kiln.bench.pp_schedules", "every pipeline schedule (gpipe, 1f1b, interleaved-1f1b and the zero-bubble "
+                     "interleaved-zb, zbv, dualpipev) at pp=2, same stages and micro-batches: each rank's measured idle "
+                     "share beside the schedule's theoretical bubble, step time"),
     "pipeline": ("kiln.bench.pipeline", "the six ways to a faster pipeline, stacked (Lightning): time to a target accuracy, naive to all six"),
     "checkpoint": ("kiln.bench.checkpoint", "the stall one checkpoint save puts into training (GPT, 57 M parameters, AdamW: "
                    "654 MiB of state): a save that writes before training goes on vs one written in the background "

@@ -81,6 +81,10 @@ GRID: list[dict[str, Any]] = [
     row("gpt", "fp32", "none", 4, 2, tp=2),
     row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule="gpipe"),
     row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule="1f1b"),
+    # two stages a rank, looped and in a V; the zero-bubble ones keep each micro-batch's
+    # activations until its weight pass
+    *[row("gpt", "fp32", "none", 4, 2, pp=2, pp_schedule=s) for s in ("interleaved-1f1b", "interleaved-zb", "zbv",
+                                                                       "dualpipev")],
     row("gpt", "fp32", "none", 4, 4, tp=2, pp=2),
     row("gpt", "fp32", "none", 4, 4, zero=3, replicate=2),  # HSDP: 2 replicas of 2 shards
     row("hf-llama", "fp32", "none", 4, 2, zero=2),

@@ -169,7 +169,13 @@ class ParallelConfig:
     # fast links) and all-reduces gradients across the groups (the slow links); 1: shard over all dp
     replicate: int = 1
     sequence_parallel: bool = False  # tp > 1: norms and dropout run on sequence shards
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"  # pipeline schedule (pp > 1)
+    # pipeline schedule (pp > 1): gpipe (all forwards, then all backwards); 1f1b (a backward as soon
+    # as it can, so fewer activations held); interleaved-1f1b (pp x 2 stages, stage s on rank s % pp,
+    # a smaller bubble); the zero-bubble ones split each backward into input and weight gradients
+    # and fill the bubble with the weight work: interleaved-zb (placed as interleaved-1f1b), zbv
+    # and dualpipev (2 x pp stages in a V: rank r holds stages r and 2 pp - 1 - r; dualpipev needs
+    # parallel.microbatches >= 2 x pp)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"] = "1f1b"
     microbatches: Optional[int] = None  # pp > 1: micro-batches per pipeline step; None: 2 * pp
     pp_stages: Optional[list[int]] = None  # blocks per stage (sums to the depth); None: balanced
     timeout_s: float = 600.0  # a collective waiting longer than this fails instead of hanging

@@ -16,8 +16,11 @@
   optimizers with ``contiguous=False`` step the DTensor shards.
 - tensor parallel: :func:`apply_tp` (Megatron-style sharding with DTensor, as the model
   family's registered plan says: ``kiln.models.ParallelPlan``), :func:`check_tp`; pipeline
-  parallel: :func:`build_pipeline` (GPipe, 1F1B, interleaved 1F1B, cut where the family's plan
-  says), :func:`check_pipeline`.
+  parallel: :func:`build_pipeline` (GPipe, 1F1B, interleaved 1F1B, and the zero-bubble
+  interleaved ZB, ZB-V and DualPipeV, cut where the family's plan says), :func:`check_pipeline`;
+  :data:`PP_SCHEDULES` (their names), :data:`SPLIT_BACKWARD` (the zero-bubble ones, whose
+  backward splits into input and weight passes), :func:`stage_ranks` (the pp rank of each
+  stage) and :func:`schedule_bubble` (each one's textbook bubble).
 - :func:`clip_grad_norm_` (``kiln.optim.clip_grad_norm_``): the global norm over any mix of
   plain, arena, ZeRO-shard, tensor-parallel and FSDP2 gradients and pipeline stages.
 - :class:`Layout` and :func:`parallelize`: a model laid out over ``dp x tp x pp`` ranks in one
@@ -40,7 +43,8 @@ from kiln.optim import clip_grad_norm_  # the one global-norm clip, for every la
 
 # FSDP2 and DCP take most of a second to import: loaded when first used, not by every trainer.
 _LAZY = {"apply_fsdp": "_fsdp", "is_fsdp": "_fsdp", "apply_tp": "_tp", "check_tp": "_tp",
-         "build_pipeline": "_pp", "check_pipeline": "_pp", "parallelize": "_layout", "Parallel": "_layout",
+         "build_pipeline": "_pp", "check_pipeline": "_pp", "schedule_bubble": "_pp", "PP_SCHEDULES": "_pp",
+         "SPLIT_BACKWARD": "_pp", "stage_ranks": "_pp", "parallelize": "_layout", "Parallel": "_layout",
          "stage_elements": "_layout", "Layout": "_mesh", "resolve_layout": "_mesh", "build_mesh": "_mesh",
          "dp_mesh": "_mesh", "fsdp_mesh": "_mesh",
          "check_parallel_config": "_checks",
@@ -58,7 +62,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["init_distributed", "rank", "world_size", "is_main", "ZeroOptimizer",
            "broadcast_parameters", "all_reduce_gradients", "sync_gradients", "apply_fsdp", "clip_grad_norm_", "is_fsdp",
-           "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "parallelize", "Parallel",
+           "apply_tp", "check_tp", "build_pipeline", "check_pipeline", "schedule_bubble", "PP_SCHEDULES",
+           "SPLIT_BACKWARD", "stage_ranks", "parallelize", "Parallel",
            "stage_elements", "Layout", "resolve_layout", "build_mesh", "dp_mesh", "fsdp_mesh",
            "check_parallel_config",
            "save_sharded", "AsyncSaver", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]

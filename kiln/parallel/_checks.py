@@ -9,7 +9,7 @@ from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.parallel._mesh import Layout, resolve_layout
-from kiln.parallel._pp import check_pipeline
+from kiln.parallel._pp import SPLIT_BACKWARD, check_pipeline
 
 __all__ = ["check_parallel_config"]
 
@@ -68,6 +68,11 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
     if pp > 1 and train["precision"] == "bf16-true":
         raise ConfigError(f"train.precision=bf16-true keeps fp32 master weights mirroring kiln's flat arena, which "
                           f"parallel.pp={pp} runs do not use for all of the model; use train.precision=bf16-mixed")
+    if pp > 1 and par["zero"] == 3 and par["pp_schedule"] in SPLIT_BACKWARD:
+        raise ConfigError(f"parallel.pp_schedule={par['pp_schedule']} computes the weight gradients in a pass of "
+                          "their own, after FSDP2 (parallel.zero=3) has already reduce-scattered what the input "
+                          "pass left: the gradients would be wrong. Use parallel.zero=1 or 2 (ZeRO on kiln's "
+                          "arena), or a schedule without the split: 1f1b, interleaved-1f1b or gpipe")
     if pp > 1 and train["compile"]:
         raise ConfigError(f"train.compile=true with parallel.pp={pp} is not supported: pipeline stages run their "
                           "own forward; set train.compile=false")

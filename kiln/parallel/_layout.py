@@ -228,10 +228,14 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
     pipeline = None
     modules = [model]
     if layout.pp > 1:
-        from kiln.parallel._pp import build_pipeline
+        from kiln.parallel._pp import SPLIT_BACKWARD, build_pipeline
 
         if loss_fn is None:
             raise ValueError("parallelize: pp > 1 needs loss_fn(logits, targets), which the schedule calls")
+        if zero == 3 and layout.dp > 1 and pp_schedule in SPLIT_BACKWARD:
+            raise ValueError(f"parallelize: pp_schedule={pp_schedule!r} computes the weight gradients in a pass of "
+                             "their own, which FSDP2 (zero=3) does not reduce; use zero=1 or 2, or schedule "
+                             "1f1b, interleaved-1f1b or gpipe")
         pipeline = build_pipeline(model, mesh["pp"].get_group(), schedule=pp_schedule,
                                   microbatches=microbatches or 2 * layout.pp, loss_fn=loss_fn, sizes=pp_stages,
                                   device=device, timing=timing, plan=plan)
@@ -271,17 +275,18 @@ def stage_elements(model: nn.Module, layout: Layout, *, sequence_parallel: bool 
     params = list(model.named_parameters())
     if layout.tp == 1 and layout.pp == 1:
         return [sum(p.numel() for _, p in params)]
-    from kiln.parallel._pp import _num_stages, stage_of_parameters, stage_ranges
+    from kiln.parallel._pp import stage_of_parameters, stage_ranges, stage_ranks
     from kiln.parallel._tp import tp_sharded_names
 
     sharded = tp_sharded_names(model, layout.tp, sequence_parallel=sequence_parallel) if layout.tp > 1 else set()
     owner: dict[str, int] = {}
+    rank_of = [0]
     if layout.pp > 1:
         from kiln.models import repeated_blocks
 
-        n_stages = _num_stages(layout.pp, pp_schedule, 2)
-        owner = stage_of_parameters(model, stage_ranges(len(repeated_blocks(model)), n_stages, pp_stages))
-    stages = [0] * layout.pp  # stage s runs on pp rank s % pp
+        rank_of = stage_ranks(layout.pp, pp_schedule)
+        owner = stage_of_parameters(model, stage_ranges(len(repeated_blocks(model)), len(rank_of), pp_stages))
+    ranks = [0] * layout.pp
     for fqn, p in params:
-        stages[owner.get(fqn, 0) % layout.pp] += p.numel() // layout.tp if fqn in sharded else p.numel()
-    return stages
+        ranks[rank_of[owner.get(fqn, 0)]] += p.numel() // layout.tp if fqn in sharded else p.numel()
+    return ranks

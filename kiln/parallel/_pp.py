@@ -15,9 +15,16 @@ and non-pipeline layouts. Every rank builds the whole model with the same seed;
 left untouched, drop it to free the rest).
 
 Layout. Single-stage schedules (``gpipe``, ``1f1b``) put stage ``s`` on pp rank ``s``.
-``interleaved-1f1b`` splits the model into ``pp * virtual_stages`` stages and puts stage
-``s`` on pp rank ``s % pp`` (torch's "loop" order), so pp rank 0 holds the first stage and
-pp rank ``pp - 1`` the last. With data parallelism the mesh is
+The looped ones (``interleaved-1f1b``, ``interleaved-zb``) split the model into
+``pp * virtual_stages`` stages and put stage ``s`` on pp rank ``s % pp`` (torch's "loop" order),
+so pp rank 0 holds the first stage and pp rank ``pp - 1`` the last. The V-shaped ones (``zbv``,
+``dualpipev``) split it into ``2 * pp`` stages and give pp rank ``r`` stages ``r`` and
+``2 * pp - 1 - r``: down the ranks and back up, so pp rank 0 holds both the first stage and the
+last (the loss), and rank ``pp - 1`` hands stage ``pp - 1``'s output to stage ``pp`` without a
+send. The zero-bubble schedules (``interleaved-zb``, ``zbv``, ``dualpipev``) split each
+backward into the input gradient, which the previous stage waits for, and the weight gradient,
+which waits for nothing and fills what would be idle time (Qi et al., "Zero Bubble Pipeline
+Parallelism", 2024; DeepSeek-V3's DualPipe). With data parallelism the mesh is
 ``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))``: pp outermost, so the
 ranks of one dp group are neighbours (one node) and the light point-to-point activation
 traffic is what crosses nodes, as in torchtitan.
@@ -53,6 +60,7 @@ import copy
 import difflib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,11 +69,32 @@ from torch import nn
 
 from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, model_plan, models_with
 
-__all__ = ["SCHEDULES", "stage_ranges", "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline",
-           "Pipeline"]
+__all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "schedule_bubble", "stage_ranges",
+           "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline", "Pipeline"]
 
-# config name -> torch.distributed.pipelining class, imported on first use (docs/lab/facts.md, 'What an import costs')
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a schedule needs of the layout; ``SCHEDULES`` is the one table of them."""
+
+    torch_class: str  # in torch.distributed.pipelining, imported on first use (docs/lab/facts.md, 'What an import costs')
+    placement: str  # "one": stage s on pp rank s; "loop": s on s % pp; "v": rank r holds r and 2 pp - 1 - r
+    split_backward: bool  # input and weight gradients apart, the weight work filling the bubble
+    min_microbatches: str  # "any" | "pp" (one per rank) | "stages" (one per stage)
+
+
+# config name (parallel.pp_schedule) -> what it is
+SCHEDULES = {
+    "gpipe": _Kind("ScheduleGPipe", "one", False, "any"),
+    "1f1b": _Kind("Schedule1F1B", "one", False, "pp"),
+    "interleaved-1f1b": _Kind("ScheduleInterleaved1F1B", "loop", False, "pp"),
+    "interleaved-zb": _Kind("ScheduleInterleavedZeroBubble", "loop", True, "pp"),
+    # torch pads the ZB-V order to 2 pp - 1 micro-batches and drops the missing ones: any count runs
+    "zbv": _Kind("ScheduleZBVZeroBubble", "v", True, "any"),
+    "dualpipev": _Kind("ScheduleDualPipeV", "v", True, "stages"),
+}
+PP_SCHEDULES = tuple(SCHEDULES)  # the names, for benchmarks and the layout search
+SPLIT_BACKWARD = tuple(name for name, kind in SCHEDULES.items() if kind.split_backward)  # the zero-bubble ones
 _MAX_RUNNERS = 4  # distinct (mode, batch shape) pipelines kept built; see Pipeline._runner
 
 
@@ -81,7 +110,127 @@ def _check_schedule(schedule: str) -> str:
 
 
 def _num_stages(pp: int, schedule: str, virtual_stages: int) -> int:
-    return pp * virtual_stages if schedule == "interleaved-1f1b" else pp
+    placement = SCHEDULES[schedule].placement
+    return pp if placement == "one" else 2 * pp if placement == "v" else pp * virtual_stages
+
+
+def stage_ranks(pp: int, schedule: str, virtual_stages: int = 2) -> list[int]:
+    """The pp rank of each pipeline stage (see the module's Layout).
+
+        >>> stage_ranks(2, "interleaved-1f1b")
+        [0, 1, 0, 1]
+        >>> stage_ranks(3, "zbv")
+        [0, 1, 2, 2, 1, 0]
+    """
+    schedule = _check_schedule(schedule)
+    n = _num_stages(pp, schedule, virtual_stages)
+    if SCHEDULES[schedule].placement == "v":
+        return [s if s < pp else n - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
+class _OrderOnly:
+    """What torch's schedule classes read of a stage when they compute the whole pipeline's order
+    (in their constructor, the same on every rank): enough to have that order without processes."""
+
+    submod = None  # (no module: torch's check for compiled stages has nothing to look at)
+
+    def __init__(self, index: int, num_stages: int, pp: int, rank: int) -> None:
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp, rank
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+
+
+def _torch_order(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> dict[int, list[Any]]:
+    """The ``pipeline_order`` torch's class for ``schedule`` computes: each pp rank's actions
+    (``None`` where it leaves a slot empty); its ``ValueError`` where it refuses the numbers."""
+    from torch.distributed import pipelining
+
+    schedule = _check_schedule(schedule)
+    kind = SCHEDULES[schedule]
+    ranks = stage_ranks(pp, schedule, virtual_stages)
+    stages = [_OrderOnly(s, len(ranks), pp, 0) for s, r in enumerate(ranks) if r == 0]
+    cls = getattr(pipelining, kind.torch_class)
+    built = cls(stages if kind.placement != "one" else stages[0], n_microbatches=microbatches, loss_fn=_no_loss,
+                scale_grads=False)
+    return built.pipeline_order
+
+
+def _no_loss(output: Any, target: Any) -> Any:  # (a loss makes torch order backward actions too)
+    raise AssertionError("an order-only schedule runs nothing")
+
+
+def _compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> list[list[tuple]]:
+    """Each pp rank's compute, in the order it runs: ``(stage, kind, micro-batch)`` with kind
+    ``F`` (forward), ``B`` (full backward), ``I`` (input gradient) or ``W`` (weight gradient).
+    The single-stage schedules are written as their ``_step_microbatches`` runs them (GPipe:
+    every forward, then every backward; 1F1B: ``min(m, pp - s)`` forwards, then a backward and
+    a forward in turn): the ``pipeline_order`` torch keeps of Schedule1F1B for display skips
+    micro-batch 0 on the last rank. The others are run from their ``pipeline_order``."""
+    schedule = _check_schedule(schedule)
+    if SCHEDULES[schedule].placement == "one":
+        out = []
+        for s in range(pp):
+            warmup = microbatches if schedule == "gpipe" else min(microbatches, pp - s)
+            acts = [(s, "F", i) for i in range(warmup)]
+            for i in range(microbatches):
+                acts.append((s, "B", i))
+                if warmup + i < microbatches and schedule != "gpipe":
+                    acts.append((s, "F", warmup + i))
+            out.append(acts)
+        return out
+    order = _torch_order(schedule, pp, microbatches, virtual_stages)
+    return [[(a.stage_index, a.computation_type.value, a.microbatch_index)
+             for action in order[r] if action is not None for a in (action.sub_actions or (action,))
+             if a.computation_type.value in _UNIT_COST] for r in range(pp)]
+
+
+_UNIT_COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # a full backward is the input's and the weights' parts
+
+
+def schedule_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> list[float]:
+    """Each pp rank's idle share of one step of ``schedule`` as torch orders it: the textbook
+    bubble, computed rather than quoted. Every stage's forward, input-gradient and weight-gradient
+    work on one micro-batch takes one unit of time (a full backward two: the zero-bubble paper's
+    F = B = W), communication none; each rank runs its actions in torch's order, each as soon as
+    the rank is free and what it needs is done (a forward: the previous stage's forward; an input
+    gradient: the next stage's, or the forward on the last stage; a weight gradient: its own
+    input gradient). The step lasts until the last rank finishes; a rank's idle share is
+    ``1 - its busy time / that``, what ``kiln bench parallel`` measures.
+
+        >>> [round(b, 3) for b in schedule_bubble("1f1b", 2, 4)]   # (p - 1) / (m + p - 1)
+        [0.2, 0.2]
+    """
+    order = _compute_order(schedule, pp, microbatches, virtual_stages)
+    last = _num_stages(pp, _check_schedule(schedule), virtual_stages) - 1
+    done: dict[tuple[int, str, int], float] = {}  # (stage, "F" | "in" (input gradient) | "W", mb) -> end
+    clock, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
+
+    def needs(stage: int, kind: str, mb: int) -> tuple[int, str, int] | None:
+        if kind == "F":
+            return (stage - 1, "F", mb) if stage > 0 else None
+        if kind in ("I", "B"):
+            return (stage, "F", mb) if stage == last else (stage + 1, "in", mb)
+        return (stage, "in", mb)  # W
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp):
+            while at[r] < len(order[r]):
+                stage, kind, mb = order[r][at[r]]
+                need = needs(stage, kind, mb)
+                if need is not None and need not in done:
+                    break
+                clock[r] = max(clock[r], done[need] if need is not None else 0.0) + _UNIT_COST[kind]
+                busy[r] += _UNIT_COST[kind]
+                done[(stage, "in" if kind in ("I", "B") else kind, mb)] = clock[r]
+                at[r] += 1
+                moved = True
+    if any(at[r] < len(order[r]) for r in range(pp)):
+        raise RuntimeError(f"schedule {schedule} with pp={pp} and {microbatches} micro-batches: torch's order "
+                           "waits on itself")
+    end = max(clock)
+    return [1.0 - b / end for b in busy]
 
 
 def stage_ranges(depth: int, num_stages: int, sizes: list[int] | None = None) -> list[range]:
@@ -133,13 +282,14 @@ def stage_ranges(depth: int, num_stages: int, sizes: list[int] | None = None) ->
 def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_per_dp_rank: int,
                    sizes: list[int] | None = None, *, virtual_stages: int = 2, depth_name: str = "depth") -> None:
     """Reject a pipeline configuration before anything is built, naming the numbers and the
-    fix: unknown schedule, fewer blocks than stages (virtual stages counted for
-    ``interleaved-1f1b``), a bad ``sizes`` list, a batch that micro-batches do not divide,
-    fewer micro-batches than pp ranks for ``1f1b`` / ``interleaved-1f1b``, and torch's
-    constraint on Interleaved1F1B (``microbatches`` must be a multiple of its number of
-    rounds, ``max(1, microbatches // pp)``). With ``pp == 1`` only the schedule name is
-    checked (no pipeline is built). ``depth_name``: what the message calls the block count
-    (the config key that sets it)."""
+    fix: unknown schedule, fewer blocks than stages (``pp * virtual_stages`` for the looped
+    schedules, ``2 * pp`` for the V-shaped ones), a bad ``sizes`` list, a batch that
+    micro-batches do not divide, fewer micro-batches than a schedule runs (one per pp rank for
+    ``1f1b`` and the looped ones, one per stage for ``dualpipev``: torch's DualPipeV refuses
+    fewer), and torch's constraint on its looped schedules (``microbatches`` a multiple of
+    their number of rounds, ``max(1, microbatches // pp)``). With ``pp == 1`` only the schedule
+    name is checked (no pipeline is built). ``depth_name``: what the message calls the block
+    count (the config key that sets it)."""
     schedule = _check_schedule(schedule)
     for name, value in (("parallel.pp", pp), ("parallel.microbatches", microbatches),
                         ("batch size per data-parallel rank", batch_per_dp_rank),
@@ -148,26 +298,32 @@ def check_pipeline(depth: int, pp: int, schedule: str, microbatches: int, batch_
             raise ValueError(f"{name}={value!r}: must be a positive integer")
     if pp == 1:
         return
+    kind = SCHEDULES[schedule]
     n = _num_stages(pp, schedule, virtual_stages)
     if depth < n:
-        what = f"pp={pp} x virtual_stages={virtual_stages} = {n}" if n != pp else f"pp={pp}"
+        what = {"one": f"pp={pp}", "loop": f"pp={pp} x virtual_stages={virtual_stages} = {n}",
+                "v": f"2 x pp={pp} = {n} (two a rank, in a V)"}[kind.placement]
         raise ValueError(f"the model has {depth_name}={depth} blocks, fewer than the {what} pipeline stages "
-                         f"(each stage needs a block); use a deeper model or fewer stages"
+                         f"of schedule {schedule} (each stage needs a block); use a deeper model or fewer stages"
                          + (", or schedule 1f1b" if n != pp and depth >= pp else ""))
     stage_ranges(depth, n, sizes)
     if batch_per_dp_rank % microbatches:
         raise ValueError(f"the batch per data-parallel rank ({batch_per_dp_rank}) does not split into "
                          f"parallel.microbatches={microbatches} equal micro-batches; choose a batch "
                          f"size that is a multiple of {microbatches} or a divisor of {batch_per_dp_rank}")
-    if schedule in ("1f1b", "interleaved-1f1b") and microbatches < pp:
+    if kind.min_microbatches == "pp" and microbatches < pp:
         raise ValueError(f"schedule {schedule} needs at least one micro-batch per pipeline rank: "
                          f"parallel.microbatches={microbatches} < pp={pp}; use "
                          f"parallel.microbatches >= {pp} (and a batch it divides) or schedule gpipe")
-    if schedule == "interleaved-1f1b":
+    if kind.min_microbatches == "stages" and microbatches < n:
+        raise ValueError(f"schedule {schedule} needs at least one micro-batch per pipeline stage: "
+                         f"parallel.microbatches={microbatches} < 2 x pp = {n} stages; use "
+                         f"parallel.microbatches >= {n} (and a batch it divides) or schedule zbv")
+    if kind.placement == "loop":
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            raise ValueError(f"torch's Interleaved1F1B runs max(1, microbatches // pp) = {rounds} rounds and "
-                             f"needs parallel.microbatches={microbatches} to be a multiple of it; use a "
+            raise ValueError(f"torch's {kind.torch_class} runs max(1, microbatches // pp) = {rounds} rounds "
+                             f"and needs parallel.microbatches={microbatches} to be a multiple of it; use a "
                              f"multiple of pp={pp} (e.g. {pp * rounds})")
 
 
@@ -292,12 +448,22 @@ class _StageCall(nn.Module):
     """A stage module run as its plan's ``call`` says (``call(stage, x, first)``), for torch's
     PipelineStage, which passes tensors between stages."""
 
-    def __init__(self, stage: nn.Module, call: Callable[..., Any], first: bool) -> None:
+    def __init__(self, stage: nn.Module, call: Callable[..., Any], first: bool, own_output: bool = False) -> None:
         super().__init__()
-        self.stage, self.call, self.first = stage, call, first
+        self.stage, self.call, self.first, self.own_output = stage, call, first, own_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.call(self.stage, x, self.first)
+        out = self.call(self.stage, x, self.first)
+        if not (self.own_output and out._is_view()):
+            return out
+        # The zero-bubble schedules' input pass detaches each stage output in place, which a view
+        # refuses: a Hugging Face causal LM's stage without the head returns hidden_states[:, -0:, :]
+        # (the slice its head would read), under tensor parallelism a view of the local shard
+        base = out._base
+        if base.requires_grad == out.requires_grad and (base.shape, base.stride(), base.storage_offset()) == (
+                out.shape, out.stride(), out.storage_offset()):
+            return base  # the whole of a tensor autograd tracks: the same values and gradient path
+        return out.clone()
 
 
 # -- the pipeline ---------------------------------------------------------------------------------
@@ -326,14 +492,56 @@ def _timed_stage_class() -> type:
 
             return run
 
+        weight_pass = timed(PipelineStage.backward_weight_one_chunk)
+
         class _TimedStage(PipelineStage):
             compute_s: float | None = None  # None: not timed (build_pipeline(timing=False))
             forward_one_chunk = timed(PipelineStage.forward_one_chunk)
             backward_one_chunk = timed(PipelineStage.backward_one_chunk)
-            backward_weight_one_chunk = timed(PipelineStage.backward_weight_one_chunk)
+
+            def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+                # torch's weight pass (the zero-bubble schedules' W) adds its gradients to p.grad
+                # by hand after torch.autograd.grad, so autograd's post-accumulate-grad hooks never
+                # fire: kiln's arena optimizer, which learns from them which parameters got a
+                # gradient, would skip every one of them in its step. Fire them as autograd would.
+                reached = _weight_pass_parameters(self, bwd_chunk_id)
+                weight_pass(self, bwd_chunk_id, last_backward=last_backward)
+                for p in reached:
+                    for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
+                        hook(p)
 
         _TIMED_STAGE = _TimedStage
     return _TIMED_STAGE
+
+
+def _weight_pass_parameters(stage: Any, chunk: int) -> list[nn.Parameter]:
+    """The parameters torch's weight pass of micro-batch ``chunk`` will write by hand: those its
+    input pass reached (their gradient accumulators are in the saved parameter groups). Stage 0
+    runs the whole backward there instead (autograd's own accumulation, hooks and all), and a
+    ``dw_builder`` stage its own function: nothing to add for either."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    if stage.stage_index == 0 or stage.dw_builder is not None or chunk not in stage.backward_state:
+        return []
+    reached = {node for group in stage.backward_state[chunk][1] for node in group["params"]}
+    return [p for p in stage.submod.parameters() if p.requires_grad and _get_grad_fn_or_grad_acc(p) in reached]
+
+
+def _forward_only(schedule: Any) -> Any:
+    """``schedule`` (torch's ZB-V, built without a loss) running its forwards only, for evaluation
+    over the V placement: torch has no forward-only V schedule, and its V orders cannot run
+    without a backward (at the V's turn they hand input gradients between a rank's two stages).
+    Forward-only, the order still holds, having lost only waits: its backward actions become
+    no-ops, each dropping the receive torch posted for it (an empty one: the stages have no
+    backward), which its backward would have collected."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, REDUCE_GRAD
+
+    def skip(action: Any, ctx: Any) -> None:
+        ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+    for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT, REDUCE_GRAD):
+        schedule.register_custom_function(kind, skip)
+    return schedule
 
 
 def _sync(device: torch.device) -> None:
@@ -358,8 +566,10 @@ class Pipeline:
         stages: the local stage modules (pruned copies of the model, whole-model FQNs), in
             stage order; build the optimizer over their parameters (:meth:`parameters`).
         stage_indices: their global stage numbers.
-        num_stages: stages in the whole pipeline (``pp``, or ``pp * virtual_stages``).
+        num_stages: stages in the whole pipeline (``pp``, ``pp * virtual_stages`` or ``2 * pp``).
         is_first / is_last: whether this rank holds the first / the last stage.
+        last_rank: the pp rank that holds the last stage, where the loss and the logits are
+            (``pp - 1``; 0 for the V-shaped schedules, whose last stage comes back to rank 0).
         pp_group / dp_group: the pipeline and data-parallel process groups (dp_group is None
             without data parallelism).
         last_step_timing: after each :meth:`step`, ``{"wall_s", "compute_s", "bubble"}``:
@@ -379,6 +589,7 @@ class Pipeline:
         self.pp_group, self.dp_group, self.device, self.timing = pp_group, dp_group, device, timing
         self.pp_size, self.pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         self.is_first, self.is_last = 0 in stage_indices, num_stages - 1 in stage_indices
+        self.last_rank = stage_ranks(self.pp_size, schedule, len(stage_indices))[-1]
         self.last_step_timing: dict[str, float | None] = {}
         self._runners: dict[tuple, _Runner] = {}
         self._scaled_loss = _ScaledLoss(loss_fn, microbatches)
@@ -426,7 +637,7 @@ class Pipeline:
         else:
             loss = torch.empty((), dtype=torch.float64, device=self.device)
         if self.pp_size > 1:
-            dist.broadcast(loss, group_src=self.pp_size - 1, group=self.pp_group)
+            dist.broadcast(loss, group_src=self.last_rank, group=self.pp_group)
         return loss
 
     @torch.no_grad()
@@ -456,7 +667,7 @@ class Pipeline:
         if self.pp_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, group_src=self.pp_size - 1, group=self.pp_group, device=self.device)
+        dist.broadcast_object_list(box, group_src=self.last_rank, group=self.pp_group, device=self.device)
         return box[0]
 
     # -- machinery ------------------------------------------------------------------------------
@@ -490,7 +701,7 @@ class Pipeline:
             raise ValueError("Pipeline: the rank holding the first stage (pp rank 0) got no inputs tensor; "
                              "pass the batch's inputs there (other ranks may pass them or None)")
         if values[1]:
-            raise ValueError(f"Pipeline.step: the rank holding the last stage (pp rank {self.pp_size - 1}) got "
+            raise ValueError(f"Pipeline.step: the rank holding the last stage (pp rank {self.last_rank}) got "
                              f"no targets; pass the batch's targets there (other ranks may pass None)")
         shape = tuple(values[3:3 + values[2]])
         if need_targets and shape[0] % self.microbatches:
@@ -512,28 +723,32 @@ class Pipeline:
         from torch.distributed import pipelining
 
         stage_cls = _timed_stage_class()
-        run = [module if self.call is None else _StageCall(module, self.call, first=index == 0)
+        run = [module if self.call is None else _StageCall(module, self.call, first=index == 0,
+                                                           own_output=SCHEDULES[self.schedule].split_backward)
                for module, index in zip(self.stages, self.stage_indices)]
         stages = [stage_cls(module, index, self.num_stages, self.device, group=self.pp_group)
                   for module, index in zip(run, self.stage_indices)]
-        interleaved = self.schedule == "interleaved-1f1b"
+        placement = SCHEDULES[self.schedule].placement
         if mode == "train":
-            cls, m, loss_fn = getattr(pipelining, SCHEDULES[self.schedule]), self.microbatches, self._scaled_loss
+            m, loss_fn = self.microbatches, self._scaled_loss
+            cls = getattr(pipelining, SCHEDULES[self.schedule].torch_class)
         else:
             # forward only: without backward 1F1B is GPipe's fill-and-drain, and GPipe (single
-            # stage per rank) takes any micro-batch count; Interleaved1F1B keeps its rounds rule
+            # stage per rank) takes any micro-batch count; the looped schedules keep their rounds
+            # rule (Interleaved1F1B runs their forward), ZB-V's order any count
             m = max(d for d in range(1, min(batch, self.microbatches) + 1) if batch % d == 0
-                    and (not interleaved or d % max(1, d // self.pp_size) == 0))
-            cls = pipelining.ScheduleInterleaved1F1B if interleaved else pipelining.ScheduleGPipe
+                    and (placement != "loop" or d % max(1, d // self.pp_size) == 0))
+            cls = {"one": pipelining.ScheduleGPipe, "loop": pipelining.ScheduleInterleaved1F1B,
+                   "v": pipelining.ScheduleZBVZeroBubble}[placement]  # (V: see _forward_only)
             loss_fn = None  # no loss: the schedule runs no backward
         # scale_grads=False: torch would divide every p.grad by M after the backward (a loop over
         # tensors, and wrong for gradients accumulated over several step() calls); the loss of
         # each micro-batch is divided by M instead (_ScaledLoss), which gives the gradient of the
         # batch mean when loss_fn returns a micro-batch mean and micro-batches are equal.
-        if interleaved:
-            schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-        else:
-            schedule = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        schedule = cls(stages if placement != "one" else stages[0], n_microbatches=m, loss_fn=loss_fn,
+                       scale_grads=False)
+        if mode == "eval" and placement == "v":
+            schedule = _forward_only(schedule)
         return _Runner(stages, schedule)
 
 
@@ -585,12 +800,14 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
         pp_group_or_mesh: the pipeline process group, a 1-D mesh, or a mesh with dimensions
             ``("pp", "dp")`` (gradients are then averaged over ``pipe.dp_group`` by the caller,
             see the module docstring); None: the whole world is one pipeline.
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved-1f1b``.
+        schedule: a name in :data:`SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved-1f1b``,
+            ``interleaved-zb``, ``zbv``, ``dualpipev``).
         microbatches: M, the micro-batches each batch is split into (along dim 0).
         loss_fn: ``loss_fn(logits, targets) -> mean loss of one micro-batch``; it is called
             once per micro-batch with that micro-batch's slice of ``targets``.
         sizes: blocks per stage (``parallel.pp_stages``); default: :func:`stage_ranges`.
-        virtual_stages: stages per rank for ``interleaved-1f1b`` (ignored otherwise).
+        virtual_stages: stages per rank for the looped schedules (``interleaved-1f1b``,
+            ``interleaved-zb``; the V-shaped ones have two, the others one).
         device: where the stages run (they are copied there).
         timing: measure this rank's stage compute time per step (``pipe.last_step_timing``);
             on an accelerator that synchronises the device around every micro-batch.
@@ -613,7 +830,7 @@ def build_pipeline(model: nn.Module, pp_group_or_mesh: Any = None, *, schedule: 
     ranges = stage_ranges(depth, num_stages, sizes)
     _check_ties(model, ranges, pp_plan)
     device = torch.device(device)
-    indices = list(range(rank, num_stages, pp))  # torch's loop order: stage s on pp rank s % pp
+    indices = [s for s, r in enumerate(stage_ranks(pp, schedule, virtual_stages)) if r == rank]
     stages = [_to_device(cut_stage(model, ranges, i, plan=plan), device) for i in indices]
     return Pipeline(stages, indices, num_stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
                     pp_group=pp_group, dp_group=dp_group, device=device, timing=timing, call=pp_plan.call)

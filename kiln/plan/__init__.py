@@ -308,8 +308,8 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
     mailbox: dict[Any, Any] = {}
     traced: dict[int, tuple[RankPlan, str]] = {}
     waiting = sorted(stage_ranks.values())
-    while waiting:  # an interleaved stage waits for the shapes of a later rank's stage
-        deferred = []
+    while waiting:  # an interleaved or V stage waits for the shapes of a later rank's stage
+        deferred, known = [], len(mailbox)
         for rank in waiting:
             try:
                 traced[rank] = _trace_rank(cfg, layout, rank, device, mailbox)
@@ -319,7 +319,9 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
                 raise
             except Exception as exc:  # noqa: BLE001  (what the run would raise, in one line)
                 raise _trace_error(exc, rank, layout) from exc
-        if deferred == waiting:
+        # (a round in which only shapes moved is progress: with two stages a rank, rank 0 waits
+        # for rank 1's first stage, which waits for rank 0's second, and each try sends what it can)
+        if deferred == waiting and len(mailbox) == known:
             raise RuntimeError(f"kiln plan: the pipeline stages of ranks {deferred} wait for each other's shapes")
         waiting = deferred
     ranks = []

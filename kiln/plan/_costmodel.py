@@ -7,8 +7,11 @@ A rank's step is charged for what its plan (:func:`kiln.plan.plan`) counted in t
     seconds = bubble * (flops / matmul_flops_per_s[dtype] + ops * seconds_per_op * (1/2 if compiled))
               + collective_bytes / collective_bytes_per_s + collectives * collective_latency
 
-``bubble`` is a pipeline's idle share, (m + pp - 1) / m for m micro-batches; the step takes as
-long as its slowest rank. The speeds are measured once per machine, thread count and number of
+``bubble`` is what a pipeline's idle share stretches the compute by, ``1 / (1 - idle)``: for
+GPipe and 1F1B (m + pp - 1) / m for m micro-batches, for the others the idle share of torch's
+order of their schedule at unit costs (:func:`kiln.parallel._pp.schedule_bubble`: smaller for
+interleaved 1F1B, smaller still for the zero-bubble ones); the step takes as long as its
+slowest rank. The speeds are measured once per machine, thread count and number of
 local processes, in a second or two (a matmul in fp32 and bf16, a small model's forward and
 backward for the cost of one operator, and for several processes a gloo all-reduce of 4 bytes and
 of 4 MB between them), and cached (:mod:`kiln._cache`). The operator term matters on a CPU with
@@ -25,6 +28,7 @@ make most of the count); the tuner's timed trials are what decide.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +39,7 @@ import torch
 from kiln import _cache
 from kiln.hardware.flops import matmul_flops
 
-__all__ = ["Speeds", "measure_speeds", "predict_seconds", "threads_per_process"]
+__all__ = ["Speeds", "measure_speeds", "pipeline_stretch", "predict_seconds", "threads_per_process"]
 
 CACHE = "machine_speeds"
 COMPILED_OP_SHARE = 0.5  # the share of operator overhead left under torch.compile (a guess: see above)
@@ -65,11 +69,28 @@ def threads_per_process(nproc: int) -> int:
     return 1 if nproc > 1 else torch.get_num_threads()
 
 
-def predict_seconds(planned: Any, speeds: Speeds, *, precision: str, compiled: bool, microbatches: int) -> float:
-    """Seconds of one optimizer step of ``planned`` (a :class:`kiln.plan.Plan`): its slowest rank."""
+@functools.lru_cache(maxsize=None)
+def pipeline_stretch(schedule: str, pp: int, microbatches: int) -> float:
+    """``1 / (1 - idle)``: how much longer than its compute a rank's pipeline step takes, from the
+    schedule's idle share at unit costs (1.0 without a pipeline).
+
+        >>> pipeline_stretch("1f1b", 2, 4)   # (m + pp - 1) / m
+        1.25
+    """
+    if pp <= 1:
+        return 1.0
+    from kiln.parallel import schedule_bubble
+
+    idle = schedule_bubble(schedule, pp, microbatches)
+    return round(1.0 / (1.0 - sum(idle) / len(idle)), 12)  # (unit costs: exact fractions, less the round-off)
+
+
+def predict_seconds(planned: Any, speeds: Speeds, *, precision: str, compiled: bool, microbatches: int,
+                    schedule: str = "1f1b") -> float:
+    """Seconds of one optimizer step of ``planned`` (a :class:`kiln.plan.Plan`): its slowest rank;
+    ``schedule``: its pipeline schedule (``parallel.pp_schedule``)."""
     dtype = "bf16" if precision.startswith("bf16") else "fp32"
-    pp = planned.layout.pp
-    bubble = (microbatches + pp - 1) / microbatches if pp > 1 else 1.0
+    bubble = pipeline_stretch(schedule, planned.layout.pp, microbatches)
     return max(speeds.step_seconds(flops=r.flops, ops=r.ops, collectives=r.collectives,
                                    collective_bytes=r.collective_bytes, dtype=dtype, compiled=compiled,
                                    bubble=bubble)

@@ -5,6 +5,8 @@ and ranked by the cost model (:mod:`kiln.plan._costmodel`) before any of them ru
 The axes (a key the user gave on the command line is pinned to its value, not searched):
 
     parallel.dp x tp x pp           every split of N; tp and pp where the model family has plans
+    parallel.pp_schedule            where pp > 1: every schedule the stages and micro-batches allow
+                                    (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv, dualpipev)
     parallel.zero                   0-3 where dp > 1
     train.accumulate                1, 2, 4 (the micro-batch is data.batch_size / (dp x accumulate))
     train.activation_checkpointing  none, selective, full
@@ -33,10 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from kiln.errors import ConfigError
+from kiln.parallel import PP_SCHEDULES, SPLIT_BACKWARD
+from kiln.plan._costmodel import pipeline_stretch
 
 __all__ = ["AXES", "Candidate", "NoFit", "Search", "search"]
 
-AXES = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.zero", "train.accumulate",
+AXES = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.pp_schedule", "parallel.zero", "train.accumulate",
         "train.activation_checkpointing", "train.precision", "train.compile")
 AC_ORDER = {"none": 0, "selective": 1, "full": 2}  # less memory to the right
 AC_FLOPS = {"none": 1.0, "selective": 1 + 1 / 6, "full": 1 + 1 / 3}  # the forward, recomputed
@@ -133,6 +137,8 @@ def space(load: Callable[[list[str]], Any], nproc: int, pinned: dict[str, Any], 
             if any(k in pinned and pinned[k] != v for k, v in layout.items()):
                 continue
             axes = {
+                # one candidate a schedule: each holds its activations for as long as its order says
+                "parallel.pp_schedule": list(PP_SCHEDULES) if pp > 1 else [None],
                 "parallel.zero": [0, 1, 2, 3] if dp > 1 else [0],
                 "train.accumulate": [a for a in (1, 2, 4) if batch % (dp * a) == 0],
                 "train.activation_checkpointing": ["none", "selective", "full"],
@@ -140,21 +146,26 @@ def space(load: Callable[[list[str]], Any], nproc: int, pinned: dict[str, Any], 
                 "train.compile": list(compiles),
             }
             for key in axes:
-                if key in pinned:
+                if key in pinned and (key != "parallel.pp_schedule" or pp > 1):
                     axes[key] = [pinned[key]]
-            try:  # the layout alone, at its least demanding micro-batch
-                check_parallel_config(load([f"{k}={v}" for k, v in layout.items()]
-                                           + [f"train.accumulate={axes['train.accumulate'][0]}"]), nproc)
-            except ConfigError:
-                continue  # a family without the plan, a depth that does not split, ...
-            for zero in axes["parallel.zero"]:
-                for acc in axes["train.accumulate"]:
-                    for ac in axes["train.activation_checkpointing"]:
-                        for prec in axes["train.precision"]:
-                            for comp in axes["train.compile"]:
-                                out.append(Candidate({**layout, "parallel.zero": zero, "train.accumulate": acc,
-                                                      "train.activation_checkpointing": ac,
-                                                      "train.precision": prec, "train.compile": comp}))
+            for schedule in axes["parallel.pp_schedule"]:
+                placed = {**layout, **({"parallel.pp_schedule": schedule} if schedule else {})}
+                zeros = axes["parallel.zero"]
+                try:  # the layout alone, at its least demanding micro-batch
+                    check_parallel_config(load([f"{k}={v}" for k, v in placed.items()]
+                                               + [f"train.accumulate={axes['train.accumulate'][0]}"]), nproc)
+                except ConfigError:
+                    continue  # a family without the plan, a depth that does not split, ...
+                if schedule in SPLIT_BACKWARD:
+                    zeros = [z for z in zeros if z != 3]  # (FSDP2 does not reduce their weight pass)
+                for zero in zeros:
+                    for acc in axes["train.accumulate"]:
+                        for ac in axes["train.activation_checkpointing"]:
+                            for prec in axes["train.precision"]:
+                                for comp in axes["train.compile"]:
+                                    out.append(Candidate({**placed, "parallel.zero": zero, "train.accumulate": acc,
+                                                          "train.activation_checkpointing": ac,
+                                                          "train.precision": prec, "train.compile": comp}))
     return out
 
 
@@ -163,8 +174,9 @@ def _needs_at_least(c: Candidate, over: Candidate) -> bool:
     no more accumulation or checkpointing. (Not across ZeRO stages: ZeRO-2 can plan above ZeRO-1,
     its gradient buckets outliving the step's activations:
     docs/lab/facts.md, 'What kiln plan found about ZeRO stages')."""
-    same = all(c[k] == over[k] for k in ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.zero",
-                                         "train.precision"))
+    same = all(c.settings.get(k) == over.settings.get(k)
+               for k in ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.pp_schedule", "parallel.zero",
+                         "train.precision"))
     return same and c["train.accumulate"] <= over["train.accumulate"] \
         and AC_ORDER[c["train.activation_checkpointing"]] <= AC_ORDER[over["train.activation_checkpointing"]]
 
@@ -175,8 +187,8 @@ def _coarse(c: Candidate, probe: Candidate, speeds: Any, microbatches: int) -> f
     acc = c["train.accumulate"] / probe["train.accumulate"]
     z, pz = c["parallel.zero"], probe["parallel.zero"]
     dtype = "bf16" if str(c["train.precision"]).startswith("bf16") else "fp32"
-    pp = c["parallel.pp"]
-    bubble = (microbatches + pp - 1) / microbatches if pp > 1 else 1.0
+    bubble = pipeline_stretch(c.settings.get("parallel.pp_schedule") or "1f1b", c["parallel.pp"], microbatches)
+    # the probe's compute is its own schedule's: the bubble changes with the schedule, the work not
     return max(speeds.step_seconds(
         flops=r.flops * AC_FLOPS[ac] / AC_FLOPS[pac], ops=int(r.ops * acc * AC_OPS[ac] / AC_OPS[pac]),
         collectives=int(r.collectives * ZERO_CALLS[z] / ZERO_CALLS[pz] * (acc if z == 3 else 1)),
@@ -226,7 +238,8 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
             return
         c.plan = result
         c.predicted_s = predict_seconds(result, speeds, precision=c["train.precision"],
-                                        compiled=bool(c["train.compile"]), microbatches=micro(c))
+                                        compiled=bool(c["train.compile"]), microbatches=micro(c),
+                                        schedule=c.settings.get("parallel.pp_schedule") or "1f1b")
         c.status = "fits" if result.needs_bytes <= budget else "over budget"
         if c.status == "over budget":
             for other in cands:
@@ -239,7 +252,9 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
         layouts.setdefault((c["parallel.dp"], c["parallel.tp"], c["parallel.pp"]), []).append(c)
     probes = {}
     for key, group in layouts.items():
-        probe = min(group, key=lambda c: (c["parallel.zero"], c["train.accumulate"],
+        # (a pipeline's probe runs 1F1B where it may: the other schedules scale from its compute)
+        probe = min(group, key=lambda c: (c.settings.get("parallel.pp_schedule") not in (None, "1f1b"),
+                                          c["parallel.zero"], c["train.accumulate"],
                                           AC_ORDER[c["train.activation_checkpointing"]],
                                           c["train.precision"] != "fp32", bool(c["train.compile"])))
         planned(probe)
@@ -301,7 +316,7 @@ def _no_fit_message(found: Search, nproc: int) -> str:
         invalid = [c.note for c in found.candidates if c.note]
         return "no configuration could be planned" + (f": {invalid[0]}" if invalid else "")
     least = min(planned, key=lambda c: c.plan.needs_bytes)
-    tried = {k: {c[k] for c in found.candidates} for k in AXES}
+    tried = {k: {c.settings.get(k) for c in found.candidates} for k in AXES}
     moves = []
     if 3 not in tried["parallel.zero"] and max(c["parallel.dp"] for c in found.candidates) > 1:
         moves.append("ZeRO-3 (parallel.zero=3)")
