@@ -33,8 +33,12 @@ def _curve(row: dict) -> list[tuple[int, float, float]]:
 
 
 @pytest.mark.distributed  # seven kiln train runs in this process, five of them launching two ranks
-def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path):
+def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path, monkeypatch):
+    import kiln.parallel
+
     assert "pipeline" in BENCHMARKS
+    # the schedules' table after the six ways: two of its rows here (tests/test_bench_pp_schedules.py runs all)
+    monkeypatch.setattr(kiln.parallel, "PP_SCHEDULES", ("1f1b", "zbv"))
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     handlers = [signal.getsignal(s) for s in stops]
     report = run_benchmark("pipeline", tmp_path, quick=True)
@@ -46,6 +50,10 @@ def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path):
     assert (tmp_path / "pipeline.png").stat().st_size > 0
     assert (tmp_path / "pipeline.txt").read_text().startswith("kiln bench pipeline: ")
     assert report["machine"]["cpu"] and "native_bf16" in report["machine"]
+    schedules = report["schedules"]["rows"]
+    assert [r["schedule"] for r in schedules] == ["1f1b", "zbv"]
+    assert all(0 <= i < 1 for r in schedules for i in r["idle_per_rank"]) and schedules[1]["bubble_theory"] < schedules[0]["bubble_theory"]
+    assert "zbv_idle_vs_1f1b" in report["targets"] and "mean idle" in (tmp_path / "pipeline.txt").read_text()
     rows = report["rows"]
     assert [r["name"] for r in rows] == [name for name, _, _ in ROWS]
     for row, (procs, workers, precision, zero, stopping, eval_grad) in zip(rows, EXPECTED):

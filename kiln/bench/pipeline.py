@@ -53,6 +53,7 @@ under the table, from the run's own numbers (:func:`_notes`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -65,6 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.bench import pp_schedules
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, children_cpu_s
 from kiln.launch import exit_status, train_command
 
@@ -284,9 +286,14 @@ def measure(quick: bool = False, *, out: Path) -> Result:
                             rows_in_this_process=quick, base_config=_config(spec)), "rows": rows}
     title = (f"six ways to a faster pipeline, stacked; target: validation accuracy >= {spec['target']:.0%}; "
              f"budget {spec['max_steps']} steps of {BATCH}, evaluation every {spec['eval_every']}")
+    # then every pipeline schedule at pp=2 (kiln bench pp-schedules): each rank's measured idle
+    # share beside the schedule's theoretical bubble, and the step time
+    schedules = pp_schedules.measure(quick)
+    report["schedules"] = schedules.report
+    tables = [Table(rows, cols), *(dataclasses.replace(t, title=schedules.title) for t in schedules.tables)]
     # every row's processes run one intra-op thread (train.threads)
-    return Result(report, [Table(rows, cols)], title, chart, notes=_notes(rows, machine_info()), threads=1,
-                  processes=2)
+    return Result(report, tables, title, chart + schedules.chart, targets=schedules.targets,
+                  notes=_notes(rows, machine_info()) + schedules.notes, threads=1, processes=2)
 
 
 run = benchmark("pipeline", measure)
