@@ -246,26 +246,7 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
                 if other.status == "unplanned" and _needs_at_least(other, c):
                     other.status, other.note = "implied over budget", f"holds at least what {' '.join(c.overrides)} does"
 
-    # 1. each layout's probe: the least settings, so that the others scale from it
-    layouts: dict[tuple, list[Candidate]] = {}
-    for c in cands:
-        layouts.setdefault((c["parallel.dp"], c["parallel.tp"], c["parallel.pp"]), []).append(c)
-    probes = {}
-    for key, group in layouts.items():
-        # (a pipeline's probe runs 1F1B where it may: the other schedules scale from its compute)
-        probe = min(group, key=lambda c: (c.settings.get("parallel.pp_schedule") not in (None, "1f1b"),
-                                          c["parallel.zero"], c["train.accumulate"],
-                                          AC_ORDER[c["train.activation_checkpointing"]],
-                                          c["train.precision"] != "fp32", bool(c["train.compile"])))
-        planned(probe)
-        if probe.plan is not None:
-            probes[key] = probe
-    for key, group in layouts.items():
-        for c in group:
-            if key in probes:
-                c.coarse_s = _coarse(c, probes[key], speeds, micro(c))
-            elif c.status == "unplanned":
-                c.status, c.note = "invalid", probes.get(key, group[0]).note or "its layout's probe failed"
+    layouts = _probe_layouts(cands, planned, speeds, micro)  # 1. each layout's probe
     # 2. best-first: plan in order of coarse time until `want` fit and none unplanned can beat them
     floors_done = False
     while True:
@@ -285,6 +266,33 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
     if not found.ranked:
         raise NoFit(_no_fit_message(found, nproc))
     return found
+
+
+def _probe_layouts(cands: list[Candidate], planned: Callable[[Candidate], None], speeds: Any,
+                   micro: Callable[[Candidate], int]) -> dict[tuple, list[Candidate]]:
+    """The search's first step: each layout's probe (its least settings) planned, so that the
+    layout's other candidates get a coarse time scaled from it; returns the candidates by layout
+    (dp, tp, pp)."""
+    layouts: dict[tuple, list[Candidate]] = {}
+    for c in cands:
+        layouts.setdefault((c["parallel.dp"], c["parallel.tp"], c["parallel.pp"]), []).append(c)
+    probes = {}
+    for key, group in layouts.items():
+        # (a pipeline's probe runs 1F1B where it may: the other schedules scale from its compute)
+        probe = min(group, key=lambda c: (c.settings.get("parallel.pp_schedule") not in (None, "1f1b"),
+                                          c["parallel.zero"], c["train.accumulate"],
+                                          AC_ORDER[c["train.activation_checkpointing"]],
+                                          c["train.precision"] != "fp32", bool(c["train.compile"])))
+        planned(probe)
+        if probe.plan is not None:
+            probes[key] = probe
+    for key, group in layouts.items():
+        for c in group:
+            if key in probes:
+                c.coarse_s = _coarse(c, probes[key], speeds, micro(c))
+            elif c.status == "unplanned":
+                c.status, c.note = "invalid", probes.get(key, group[0]).note or "its layout's probe failed"
+    return layouts
 
 
 def _floors(cands: list[Candidate], layouts: dict[tuple, list[Candidate]], planned: Callable) -> bool:
