@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kiln.config import instantiate
 from kiln.errors import ConfigError
+from kiln.models import families_with, find_plan, model_config_class, model_plan
 from kiln.parallel._mesh import Layout, resolve_layout
 from kiln.parallel._pp import SPLIT_BACKWARD, check_pipeline
+
 
 __all__ = ["check_parallel_config"]
 
@@ -46,7 +49,6 @@ def _check_settings(cfg: Any, micro_batch: int | None = None) -> None:
                           "ranks; it needs parallel.tp > 1")
     if tp == 1 and pp == 1:
         return
-    from kiln.models import families_with, model_plan
 
     name = model.get("name")  # set only for registry models (see _validate_model)
     if name:
@@ -110,8 +112,6 @@ def _target_plan(model: Any) -> tuple[Any, Any]:
     a ``_target_`` model, built on the ``meta`` device (shapes only, no memory, no weights)."""
     import torch
 
-    from kiln.config import instantiate
-    from kiln.models import find_plan
     from kiln.parallel._tp import model_options
 
     node = {k: v for k, v in dict(model).items()}
@@ -126,7 +126,6 @@ def _target_plan(model: Any) -> tuple[Any, Any]:
 
 def _model_options(model: Any) -> Any:
     """The model's dataclass config, from the validated ``model`` namespace."""
-    from kiln.models import model_config_class
 
     cls = model_config_class(model["name"])
     return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls) if f.name in model})

@@ -31,8 +31,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import kiln.optim
+from kiln.models import find_plan, repeated_blocks
 from kiln.optim import NO_ARENA
+from kiln.parallel._dist import reducer
 from kiln.parallel._mesh import Layout, build_mesh, dp_mesh, fsdp_mesh
+from kiln.parallel._reducer import Backend, GradReducer
+from kiln.parallel._zero import ZeroOptimizer
+
 
 __all__ = ["Parallel", "parallelize", "stage_elements"]
 
@@ -135,8 +141,6 @@ class Parallel:
         ``overlap``: buckets reduced during the step's last backward (kiln's arena only)."""
         if self.layout.dp == 1 or self.fsdp:
             return optimizer
-        from kiln.parallel._reducer import Backend, GradReducer
-        from kiln.parallel._zero import ZeroOptimizer
 
         if self.zero in (1, 2):
             optimizer = ZeroOptimizer(optimizer, self.zero, group=self.dp_group, overlap=overlap, bucket_mb=bucket_mb)
@@ -161,9 +165,6 @@ class Parallel:
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the norm of the whole model's gradient (every shard, stage and tensor-parallel
         piece counted once); returns the norm before clipping, the same on every rank."""
-        import kiln.optim
-
-        from kiln.parallel._dist import reducer
 
         extra = reducer(self.pp_group) if self.pp_group is not None else None
         return kiln.optim.clip_grad_norm_(optimizer, max_norm, extra_reduce=extra)
@@ -259,7 +260,6 @@ def parallelize(model: nn.Module, layout: Layout, *, zero: int = 0, sequence_par
     if pipeline is None:
         view = model
     else:
-        from kiln.models import find_plan
         from kiln.parallel._pp import _pp_plan
 
         view = _RankView(pipeline.stages, _pp_plan(model, plan))
@@ -282,8 +282,6 @@ def stage_elements(model: nn.Module, layout: Layout, *, sequence_parallel: bool 
     owner: dict[str, int] = {}
     rank_of = [0]
     if layout.pp > 1:
-        from kiln.models import repeated_blocks
-
         rank_of = stage_ranks(layout.pp, pp_schedule)
         owner = stage_of_parameters(model, stage_ranges(len(repeated_blocks(model)), len(rank_of), pp_stages))
     ranks = [0] * layout.pp

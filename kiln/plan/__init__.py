@@ -31,8 +31,21 @@ from typing import Any
 
 import torch
 
-from kiln.config import parse_size  # (kiln plan --memory-budget; importable from here as before)
-from kiln.optim import KilnOptimizer
+from kiln.config import DataConfig, parse_size
+from kiln.errors import ConfigError, KilnWarning
+from kiln.hardware import machine_line
+from kiln.hf import deferred_weights, materialize, meta_parameters
+from kiln.optim import KilnOptimizer, OPTIMIZERS, norms_as_row_views
+from kiln.parallel import check_parallel_config
+from kiln.plan._memtrace import StorageTracker
+from kiln.precision import Precision, emulation_note, resolve
+from kiln.precision.fp8 import fp8_memory, fp8_skips
+from kiln.train import check_model
+from kiln.train.parts import (
+    Batches, Place, Step, build_data, build_model, lay_out, load_data, make_model, make_optimizer, step_context,
+    train_step,
+)
+
 
 __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "describe", "fit_problem",
            "machine_budget", "parse_size", "plan", "run_budget", "runtime_reserve"]
@@ -41,7 +54,6 @@ __all__ = ["CATEGORIES", "Plan", "PlanUnavailable", "RankPlan", "check_fits", "d
 def _state_tensors(optim_cfg: Any) -> int:
     """Parameter-sized optimizer state tensors per parameter, as the optimizer class declares
     them for these options (SGD without momentum keeps none, AdamW two, amsgrad three)."""
-    from kiln.optim import OPTIMIZERS
 
     cls = OPTIMIZERS[optim_cfg.name]
     return len(cls.state_names_for(**{k: optim_cfg[k] for k in cls.config_options}))
@@ -50,8 +62,6 @@ def _state_tensors(optim_cfg: Any) -> int:
 def _data_line(dc: Any) -> str:
     """A registered data set and its arguments, or the config's data._target_ and its own."""
     if "_target_" in dc:
-        from kiln.config import DataConfig
-
         args = {k: v for k, v in dc.items() if k not in DataConfig.loader_keys() and k != "_target_"}
         return f"{dc._target_}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
     files = "".join(f" {key}={dc[key]}" for key in ("path", "val_path") if dc.get(key) is not None)
@@ -64,8 +74,6 @@ def _mb(n_bytes: float) -> str:
 
 def _precision_lines(tc: Any) -> list[str]:
     """This machine (what its CPU computes natively) and the precision the config trains in here."""
-    from kiln.hardware import machine_line
-    from kiln.precision import emulation_note, resolve
 
     lines = [f"machine     {machine_line()}"]
     if tc.device == "cuda" and not torch.cuda.is_available():
@@ -86,7 +94,6 @@ def _fp8_lines(cfg: Any, model: torch.nn.Module) -> list[str]:
     sequence length). A traced plan on a CUDA torch holds them in its step peak as they run."""
     if cfg.train.precision != "fp8":
         return []
-    from kiln.precision.fp8 import fp8_memory, fp8_skips
 
     skipped = fp8_skips(model)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -106,8 +113,6 @@ def _fp8_lines(cfg: Any, model: torch.nn.Module) -> list[str]:
 def describe(cfg: Any, world: int | None = None, planned: "Plan | None" = None) -> str:
     """What ``cfg`` builds; ``world``: the number of processes (default: the layout's dp x tp x
     pp); ``planned``: its :func:`plan`, shown rank by rank."""
-    from kiln.parallel import check_parallel_config
-    from kiln.train import build_model, check_model
 
     check_parallel_config(cfg)  # the layout's needs from the model, as kiln train checks them
 
@@ -285,9 +290,6 @@ def plan(cfg: Any, world: int | None = None, *, device: str | torch.device | Non
 
     import torch.distributed as dist
 
-    from kiln.errors import ConfigError, KilnWarning
-    from kiln.parallel import check_parallel_config
-
     started = time.perf_counter()
     pc = cfg.parallel
     if world is None:
@@ -346,7 +348,6 @@ def _cached_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.dev
                  world_size: int) -> Any:
     """``build_data``'s loaders, built once for the configs that share them (a data set may
     take seconds to make): what the data stage (``load_data``) builds with in a dry run."""
-    from kiln.train.parts import build_data
 
     key = f"{data_cfg!r}|{seed}|{accumulate}|{device}|{rank}|{world_size}"
     if key not in _DATA:
@@ -397,8 +398,6 @@ def _trace_error(exc: BaseException, rank: int, layout: Any) -> Exception:
     does not fit, a layout a module refuses), or :class:`PlanUnavailable`."""
     from torch._subclasses import fake_tensor
 
-    from kiln.errors import ConfigError
-
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
               fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
@@ -425,12 +424,6 @@ def _trace_rank(cfg: Any, layout: Any, rank: int, device: torch.device,
     import warnings
 
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from kiln.plan._memtrace import StorageTracker
-    from kiln.optim import norms_as_row_views
-    from kiln.precision import Precision
-    from kiln.train.parts import (Batches, Place, lay_out, load_data, make_model, make_optimizer,
-                                  step_context)
 
     tc = cfg.train
     with _fake_group(rank, layout.world), warnings.catch_warnings(), _collecting_only_new_objects():
@@ -490,7 +483,6 @@ def _fake_group(rank: int, world: int) -> Iterator[None]:
 def _make_fake(model: Any, fake: Any, device: torch.device) -> None:
     """The model's parameters (on ``meta``) as fake tensors on ``device``, and its buffers
     (computed for real) as fake copies."""
-    from kiln.hf import materialize
 
     materialize(model, device)
     for module in model.modules():
@@ -503,8 +495,6 @@ def _two_steps(ctx: Any, step: Any, tracker: Any) -> tuple[int, int, set[int]]:
     """The first step (:func:`_first_step`), then the second, traced: the tracker's positions
     where the second starts and ends, and the gradients as autograd produced them."""
     import gc
-
-    from kiln.train.parts import train_step
 
     ctx.par.model.train()
     grads: set[int] = set()
@@ -565,7 +555,6 @@ def _first_step(ctx: Any, step: Any) -> None:
     ZeRO's and the precision's), made by a step on zero gradients, which runs the optimizer's
     whole side of train_step without the forward and backward (half the trace's time); with a
     pipeline the whole first step, whose schedule learns the stages' shapes in it."""
-    from kiln.train.parts import Step, train_step
 
     if ctx.par.pipeline is not None:
         train_step(ctx, step)
@@ -650,7 +639,6 @@ def _dry_pipeline(mailbox: dict[Any, Any]) -> Iterator[None]:
     try:
         from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta
     except ImportError:  # (torch before 2.13: its stages exchange shapes otherwise)
-        from kiln.errors import ConfigError
 
         raise ConfigError(f"kiln plan of a pipeline-parallel layout needs torch 2.13 or later (this is "
                           f"{torch.__version__}): plan it without parallel.pp, or upgrade torch") from None
@@ -790,11 +778,6 @@ def check_fits(cfg: Any, world: int) -> None:
     model's parameters, gradients and optimizer state (counted on the meta device) could take
     :data:`PREFLIGHT_SHARE` of the budget; a model that cannot be built on meta, or traced, is
     left to the run."""
-    from kiln.errors import ConfigError
-    from kiln.hf import deferred_weights, meta_parameters
-    from kiln.train.parts import build_model
-
-    from kiln.parallel import check_parallel_config
 
     device = plan_device(cfg.train.device)
     budget, where = run_budget(cfg.train, device, world)

@@ -3,7 +3,6 @@ a run over N processes, planned (:func:`kiln.plan.plan`), dropped when over the 
 and ranked by the cost model (:mod:`kiln.plan._costmodel`) before any of them runs.
 
 The axes (a key the user gave on the command line is pinned to its value, not searched):
-
     parallel.dp x tp x pp           every split of N; tp and pp where the model family has plans
     parallel.pp_schedule            where pp > 1: every schedule the stages and micro-batches allow
                                     (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv, dualpipev)
@@ -34,9 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from kiln.config import load_config, parse_overrides
 from kiln.errors import ConfigError
-from kiln.parallel import PP_SCHEDULES, SPLIT_BACKWARD
-from kiln.plan._costmodel import pipeline_stretch
+from kiln.parallel import PP_SCHEDULES, SPLIT_BACKWARD, check_parallel_config
+from kiln.plan._costmodel import measure_speeds, pipeline_stretch, predict_seconds
+
 
 __all__ = ["AXES", "Candidate", "NoFit", "Search", "search"]
 
@@ -125,7 +126,6 @@ def space(load: Callable[[list[str]], Any], nproc: int, pinned: dict[str, Any], 
           compiles: Iterable[bool]) -> list[Candidate]:
     """Every candidate whose layout the model and batch allow (checked without building anything);
     ``load(overrides)`` gives the validated config with ``overrides`` on top of the run's own."""
-    from kiln.parallel import check_parallel_config
 
     base = load([])
     batch = base.data.batch_size
@@ -202,7 +202,6 @@ def search(load: Callable[[list[str]], Any], nproc: int, budget: int, *, pinned:
     """Plan and rank the candidates of ``load``'s config over ``nproc`` processes within ``budget``
     bytes a rank (see the module); ``want``: how many fitting candidates to plan before stopping
     (all of them with ``exhaustive``). Raises :class:`NoFit` when none fits."""
-    from kiln.plan._costmodel import measure_speeds, predict_seconds
     from kiln.plan import plan
 
     pinned = dict(pinned or {})
@@ -356,8 +355,6 @@ def auto_overrides(config: Any, overrides: list[str], nproc: int,
     run's own (train.precision=auto decides in the run). Raises :class:`NoFit`."""
     from omegaconf import OmegaConf
 
-    from kiln.config import load_config
-    from kiln.config import parse_overrides
     from kiln.plan import plan_device, run_budget
 
     cfg = load_config(config, overrides)

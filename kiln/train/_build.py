@@ -12,6 +12,16 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
+import kiln.optim
+from kiln._environment import import_diagnosis
+from kiln.config import DataConfig, build_callable, instantiate, locate
+from kiln.data import build_dataset, build_loader
+from kiln.errors import ConfigError
+from kiln.memory import apply_ac
+from kiln.models import create_model
+from kiln.train._chunked_loss import check_chunked_lm_loss
+from kiln.train._tasks import Task, infer_kind, model_kind
+
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch so that a CPU run repeats bit for bit."""
@@ -26,8 +36,6 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from kiln.errors import ConfigError
-
         raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
     return torch.device(name)
 
@@ -37,12 +45,7 @@ def build_model(model_cfg: dict[str, Any]) -> nn.Module:
     node = dict(model_cfg)
     target = node.pop("_target_", None)
     if target is None:
-        from kiln.models import create_model
-
         return create_model(node.pop("name"), **node)
-    from kiln._environment import import_diagnosis
-    from kiln.config import instantiate
-    from kiln.errors import ConfigError
 
     try:
         return instantiate({"_target_": target, **node})
@@ -66,9 +69,6 @@ def check_model(cfg: Any, model: nn.Module | None = None) -> None:
     mode = cfg.train.activation_checkpointing
     if mode == "none" and cfg.train.chunked_lm_loss is not True:
         return
-    from kiln.errors import ConfigError
-    from kiln.memory import apply_ac
-    from kiln.train._chunked_loss import check_chunked_lm_loss
 
     if model is None:
         try:
@@ -106,9 +106,6 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
     rank and the number of them (tensor-parallel and pipeline ranks of one replica share its
     data), ``accumulate``: micro-batches per step per rank. ``data.batch_size`` is the global
     batch of one step: see :class:`kiln.data.StepSampler`."""
-    from kiln.config import build_callable
-    from kiln.data import build_loader
-    from kiln.errors import ConfigError
 
     train_set, val_set, task = _data_splits(data_cfg, seed)
     collate_fn = build_callable(data_cfg.collate_fn)
@@ -137,17 +134,12 @@ def build_data(data_cfg: Any, *, seed: int, accumulate: int, device: torch.devic
 def _data_splits(data_cfg: Any, seed: int) -> tuple[Any, Any, str | None]:
     """``(train, validation, task)``: a registered data set (``data.name``), or what the
     config's ``data._target_`` returns (``seed`` passed when it takes one)."""
-    from kiln.data import build_dataset
-    from kiln.train._tasks import infer_kind
 
     if "_target_" not in data_cfg:
         files = {key: data_cfg[key] for key in ("path", "val_path") if data_cfg.get(key) is not None}
         splits = build_dataset(data_cfg.name, seed=seed, **dict(data_cfg.args), **files)
         return splits.train, splits.val, data_cfg.task or splits.task
     import inspect
-
-    from kiln.config import DataConfig, instantiate, locate
-    from kiln.errors import ConfigError
 
     node = {k: v for k, v in dict(data_cfg).items() if k not in DataConfig.loader_keys()}
     target = data_cfg["_target_"]
@@ -172,7 +164,6 @@ def _data_splits(data_cfg: Any, seed: int) -> tuple[Any, Any, str | None]:
 def _two_splits(made: Any, target: str) -> tuple[Any, Any]:
     """``(train, val)`` from a pair, a mapping with ``train`` and ``validation``/``val``/``test``
     (a ``DatasetDict``), or an object with ``.train`` and ``.val``."""
-    from kiln.errors import ConfigError
 
     if isinstance(made, (tuple, list)) and len(made) == 2:
         return made[0], made[1]
@@ -198,8 +189,6 @@ def build_task(cfg: Any, data: "Data", model: nn.Module) -> Any:
     """The run's :class:`~kiln.train._tasks.Task`: its kind (``data.task`` when set, else what
     the model's class declares, else the data's), ``train.loss`` and ``train.metrics`` built
     from the config."""
-    from kiln.config import build_callable
-    from kiln.train._tasks import Task, model_kind
 
     metrics = cfg.train.metrics
     return Task(kind=cfg.data.task or model_kind(model) or data.task, loss=build_callable(cfg.train.loss),
@@ -227,7 +216,6 @@ def build_optimizer(optim_cfg: Any, model: nn.Module, contiguous: bool | None = 
     """kiln's optimizer named by ``optim.name``, over the model's parameter groups
     (``contiguous`` overrides ``optim.contiguous``: FSDP2's DTensor shards need list mode);
     with ``optim.impl=torch-forloop|torch-foreach|torch-fused``, torch.optim's class instead."""
-    import kiln.optim
 
     name = optim_cfg.name
     cls = kiln.optim.OPTIMIZERS[name]
