@@ -212,7 +212,7 @@ def test_compile_and_native_kernels_that_fail_are_warnings_not_problems(monkeypa
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx")
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    monkeypatch.setattr(kiln.optim, "native_kernels_build", lambda: "RuntimeError: g++: not found")
+    monkeypatch.setattr(doctor, "native_kernels_build", lambda: "RuntimeError: g++: not found")
     report = doctor.collect()
     assert report["problems"] == [] and len(report["warnings"]) == 1 + len(report["compile"])
     assert report["compile"]["cpu"]["ok"] is False

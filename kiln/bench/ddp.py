@@ -78,8 +78,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, paired
+from kiln._profiling import profiled
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, paired, sync
+from kiln.bench._profile import comm_spans, intersection_seconds, span, union_seconds
+from kiln.data import build_dataset
+from kiln.launch.testing import run_distributed
+from kiln.models import create_model
 from kiln.optim import KilnOptimizer
+from kiln.parallel import ZeroOptimizer, all_reduce_gradients, broadcast_parameters, sync_gradients
+
 
 # Shape legend: B batch (per rank), T sequence length, C width, V vocabulary.
 
@@ -132,8 +139,6 @@ def build_model(name: str, quick: bool = False) -> nn.Module:
     without allocating them)."""
     cfg = model_config(name, quick)
     if name == "vit":
-        from kiln.models import create_model
-
         return create_model(**cfg)
     return TinyGPT(**cfg)
 
@@ -145,7 +150,6 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _setup(name: str, quick: bool, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
     """Model (the same initial weights on every rank and for every method), the train
     inputs/targets, and the loss, on ``device``."""
-    from kiln.data import build_dataset
 
     torch.manual_seed(0)
     model = build_model(name, quick).to(device)
@@ -161,7 +165,6 @@ def _setup(name: str, quick: bool, device: torch.device) -> tuple[nn.Module, tor
 def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The module to call and the optimizer to step, as ``method`` trains."""
     import kiln.optim as ko
-    from kiln.parallel import ZeroOptimizer, broadcast_parameters
 
     if method == "torch_ddp":
         on_gpu = next(model.parameters()).is_cuda
@@ -179,7 +182,6 @@ def _wrap(method: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimiz
 
 def _classes(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What a method really ran, for the JSON (and the test that reads it)."""
-    from kiln.parallel import ZeroOptimizer
 
     def name(obj: Any) -> str:
         return f"{type(obj).__module__}.{type(obj).__qualname__}"
@@ -206,10 +208,6 @@ def _worker(rank: int, world: int, names: tuple[str, ...], methods: tuple[str, .
 def _train(rank: int, world: int, name: str, method: str, quick: bool, device: str = "cpu") -> dict[str, Any]:
     import torch.distributed as dist
     from torch.profiler import record_function
-
-    from kiln.bench._harness import sync
-    from kiln._profiling import profiled
-    from kiln.parallel import all_reduce_gradients, sync_gradients
 
     warmup, steps, n_profiled = QUICK_STEPS if quick else STEPS[name]
     on = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -265,7 +263,6 @@ def _train(rank: int, world: int, name: str, method: str, quick: bool, device: s
 def _comm(prof: Any, steps: int) -> dict[str, Any]:
     """This rank's communication per profiled step, and how much of it ran while forward or
     backward computed."""
-    from kiln.bench._profile import comm_spans, intersection_seconds, span, union_seconds
 
     events = prof.events()
     comm, by_name = comm_spans(prof)
@@ -285,8 +282,6 @@ def _comm(prof: Any, steps: int) -> dict[str, Any]:
 
 # -- rows, table, chart -------------------------------------------------------------------------------
 def _measure(names: tuple[str, ...], quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
-    from kiln.launch.testing import run_distributed
-
     backend = "nccl" if device == "cuda" else "gloo"
     one: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     two: dict[str, dict[str, list[dict[str, Any]]]] = {name: {m: [] for m in METHODS} for name in names}

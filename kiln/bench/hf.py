@@ -31,6 +31,10 @@ from typing import Any
 import torch
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, sync
+from kiln.config import instantiate, load_config
+from kiln.data import build_dataset
+from kiln.train import read_metrics, train
+
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "hf_gpt2_tiny.py"
@@ -38,9 +42,6 @@ BATCH, LR = 32, 3e-3
 
 
 def _model_and_data() -> tuple[Any, Any]:
-    from kiln.config import instantiate, load_config
-    from kiln.data import build_dataset
-
     cfg = load_config(CONFIG)
     torch.manual_seed(0)
     splits = build_dataset(cfg.data.name, seed=0, **dict(cfg.data.args))
@@ -84,9 +85,6 @@ def _trainer_samples_per_s(steps: int, warmup: int, device: str = "cpu") -> floa
 
 
 def _kiln_samples_per_s(steps: int, warmup: int, overrides: list[str], device: str = "cpu") -> float:
-    from kiln.config import load_config
-    from kiln.train import read_metrics, train
-
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(CONFIG, [f"train.max_steps={steps}", f"train.log_every={warmup}", "train.eval_every=0",
                                    "optim.schedule=constant", f"optim.lr={LR}", "train.progress=none",

@@ -57,6 +57,12 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, sync, target
+from kiln.config import instantiate, load_config
+from kiln.hardware import fp8_problem
+from kiln.hardware.flops import peak_flops
+from kiln.train import read_metrics, train
+from kiln.train.parts import TensorMemory, build_data
+
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt2_small.py"
 ROWS = ("plain loop", "kiln", "kiln compile", "kiln fp8", "kiln fp8 compile")
@@ -84,8 +90,6 @@ def _overrides(size: dict[str, Any], device: str, out: str) -> list[str]:
 
 # -- the rows, each in a process of its own -----------------------------------------------------------
 def _kiln_row(cfg: Any, size: dict[str, Any]) -> dict[str, Any]:
-    from kiln.train import read_metrics, train
-
     result = train(cfg, name="bench-lm")
     rows = read_metrics(result.run_dir)
     wall = {int(r["step"]): float(r["wall_seconds"]) for r in rows}
@@ -112,9 +116,6 @@ def _lr_factor(optim: Any, total: int):
 
 
 def _plain_row(cfg: Any, size: dict[str, Any], device: torch.device, out: str) -> dict[str, Any]:
-    from kiln.config import instantiate
-    from kiln.train.parts import TensorMemory, build_data
-
     tc, oc = cfg.train, cfg.optim
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -160,7 +161,6 @@ def _plain_row(cfg: Any, size: dict[str, Any], device: torch.device, out: str) -
 
 def _row_main(name: str, quick: bool, device: str) -> None:
     """In the row's own process: train it, print its figures as a JSON line."""
-    from kiln.config import load_config
 
     size = _size(quick, device)
     with tempfile.TemporaryDirectory() as out:
@@ -181,9 +181,6 @@ def _run_row(name: str, quick: bool, device: str) -> dict[str, Any]:
 
 
 def measure(quick: bool = False, device: str = "cpu") -> Result:
-    from kiln.hardware.flops import peak_flops
-
-    from kiln.hardware import fp8_problem
 
     size = _size(quick, device)
     tokens = size["batch"] * size["seq"]

@@ -37,7 +37,11 @@ import sys
 from typing import Any
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, target
+from kiln.bench._rss import Rss
 from kiln.hardware import machine_info
+from kiln.memory import apply_ac
+from kiln.models.encoder import EncoderLayerConfig, EncoderStack
+
 
 __all__ = ["run", "measure"]
 
@@ -51,8 +55,6 @@ QUICK = dict(depth=4, hidden=128, ffn=512, heads=8, seq=128, batch=8, steps=2, d
 def _setup(sizes: dict[str, Any], device: Any = "cpu") -> tuple[Any, Any, Any, Any]:
     """The model, its AdamW, an input batch and its regression targets, from seed 0."""
     import torch
-
-    from kiln.models.encoder import EncoderLayerConfig, EncoderStack
 
     torch.manual_seed(0)
     cfg = EncoderLayerConfig(hidden=sizes["hidden"], ffn=sizes["ffn"], heads=sizes["heads"], dropout=sizes["dropout"])
@@ -76,9 +78,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     import time
 
     import torch
-
-    from kiln.bench._rss import Rss
-    from kiln.memory import apply_ac
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -120,7 +119,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _time_interleaved(sizes: dict[str, Any], grid: list[tuple[str, str]], rounds: int) -> dict[tuple[str, str], float]:
     """Median step time (ms) of each (ac, precision) on one model, one step of each in turn per round."""
-    from kiln.memory import apply_ac
 
     model, optimizer, x, y = _setup(sizes)
 

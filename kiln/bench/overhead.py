@@ -43,6 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, paired, sync, target
+from kiln.config import load_config
+from kiln.data import build_dataset
+from kiln.models import create_model
+from kiln.train import read_metrics, train
+
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_mlp.yaml"
 HIDDEN, BATCH, LR = 96, 8, 3e-3
@@ -50,8 +55,6 @@ HIDDEN, BATCH, LR = 96, 8, 3e-3
 
 def _plain(steps: int, warmup: int, device: str) -> dict[str, float]:
     """The loop users write: wall and CPU microseconds per step over steps ``warmup``.. ."""
-    from kiln.data import build_dataset
-    from kiln.models import create_model
 
     torch.manual_seed(0)
     data = build_dataset("digits", seed=0).train
@@ -77,8 +80,6 @@ def _plain(steps: int, warmup: int, device: str) -> dict[str, float]:
 def _kiln_run(steps: int, device: str) -> tuple[float, dict[int, float]]:
     """``kiln train`` of ``steps`` steps in this process: its CPU seconds, and its metrics
     rows' wall seconds by step."""
-    from kiln.config import load_config
-    from kiln.train import read_metrics, train
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(CONFIG, [f"model.hidden=[{HIDDEN}]", f"data.batch_size={BATCH}", f"optim.lr={LR}",

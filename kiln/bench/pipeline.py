@@ -68,7 +68,12 @@ from torch import nn
 
 from kiln.bench import pp_schedules
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, children_cpu_s
+from kiln.bench.dataloader import AugmentedDigits
+from kiln.data import build_dataset
+from kiln.hardware import machine_info
 from kiln.launch import exit_status, train_command
+from kiln.train import read_metrics
+
 
 __all__ = ["PipelineCNN", "augmented_digits", "make_model", "ROWS", "row_commands", "run", "measure"]
 
@@ -128,9 +133,6 @@ def augmented_digits(seed: int = 0, *, upsample: int = 60, out: int = 48, val_se
     import random
 
     import numpy as np
-
-    from kiln.bench.dataloader import AugmentedDigits
-    from kiln.data import build_dataset
 
     del seed  # the augmentation draws from the global RNGs, which kiln seeds (and each worker's)
     splits = build_dataset("digits", seed=0)
@@ -233,8 +235,6 @@ def _run_row(config: Path, row: dict[str, Any], runs_dir: Path, target: float, i
                            f"kiln {' '.join(argv)}\n{output}")
     import yaml
 
-    from kiln.train import read_metrics
-
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     summary = json.loads((run_dir / "summary.json").read_text())
     config_used = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -259,8 +259,6 @@ def measure(quick: bool = False, *, out: Path) -> Result:
     """Run the seven rows, each a ``kiln train`` command whose run directory is under ``out/runs``;
     the config every row starts from is ``out/pipeline.yaml``."""
     import yaml
-
-    from kiln.hardware import machine_info
 
     spec = QUICK if quick else FULL
     config = out / "pipeline.yaml"

@@ -37,7 +37,14 @@ import tempfile
 import warnings
 from typing import Any
 
+from kiln._profiling import profiled
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, target
+from kiln.config import load_config
+from kiln.launch.testing import run_distributed
+from kiln.optim import local_tensor
+from kiln.plan import plan, runtime_reserve
+from kiln.train.parts import live_tensor_bytes, running_peak, setup, train_step
+
 
 __all__ = ["run", "measure", "measured_peaks", "compare", "config_of", "row", "GRID", "QUICK_GRID"]
 
@@ -107,8 +114,6 @@ def config_of(case: dict[str, Any], device: str = "cpu") -> Any:
     settings, training on ``device``."""
     from pathlib import Path
 
-    from kiln.config import load_config
-
     path, small = _CONFIGS[case["family"]]
     root = Path(__file__).resolve().parents[2] / _DIR
     batch = case["micro"] * (case["world"] // _model_ranks(case))
@@ -135,9 +140,6 @@ def _measure_rank(rank: int, world: int, cfg: Any) -> dict[str, int]:
     import gc
 
     import torch
-
-    from kiln._profiling import profiled
-    from kiln.train.parts import live_tensor_bytes, running_peak, setup, train_step
 
     # what this process held before (another row's plan, its cached data): kept alive, so
     # that no new tensor takes one of their addresses
@@ -177,8 +179,6 @@ def _measure_cuda(cfg: Any) -> dict[str, int]:
     import gc
 
     import torch
-
-    from kiln.train.parts import live_tensor_bytes, setup, train_step
 
     gc.collect()
     torch.cuda.synchronize()
@@ -228,8 +228,6 @@ def cublas_workspace_bytes() -> int:
 def _storage_bytes(tensors: Any, device: str) -> dict[int, int]:
     """Bytes of the distinct storages of ``tensors`` on ``device`` (the local shards of DTensors)."""
     import torch
-
-    from kiln.optim import local_tensor
 
     out: dict[int, int] = {}
     for t in tensors:
@@ -294,7 +292,6 @@ def measured_peaks(cfg: Any, world: int, device: str = "cpu") -> list[dict[str, 
         return [_measure_cuda(cfg)]
     if world == 1:
         return [_measure_rank(0, 1, cfg)]
-    from kiln.launch.testing import run_distributed
 
     return run_distributed(_measure_rank, world, cfg, timeout_s=600)
 
@@ -303,7 +300,6 @@ def compare(case: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     """Plan and measure one row of the grid on ``device``; the row with both peaks and the
     errors (against every live tensor; ``summary_error``: against summary.json's
     model-and-optimizer baseline)."""
-    from kiln.plan import plan
 
     cfg = config_of(case, device)
     planned = plan(cfg, case["world"], device=device)
@@ -329,8 +325,6 @@ def measure(quick: bool = False, device: str = "cpu") -> Result:
     notes, extra = [], {}
     if device == "cuda":
         import torch
-
-        from kiln.plan import runtime_reserve
 
         skipped = [c["label"] for c in grid if c["world"] > 1]
         grid = [c for c in grid if c["world"] == 1]

@@ -103,6 +103,11 @@ import torch
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median
 from kiln.bench._rss import Rss
+from kiln.config import load_config
+from kiln.data import resolve_workers
+from kiln.launch.testing import run_distributed
+from kiln.train import read_metrics, train
+
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "digits_vit.py"
@@ -228,8 +233,6 @@ def loader_workers(device: str, sizes: Sizes) -> tuple[int | str, str]:
     prefetches (a container's default is 64 MB), 0."""
     if device == "cpu":
         return 0, ""
-    from kiln.config import load_config
-    from kiln.data import resolve_workers
 
     data = load_config(sizes.config).data
     args = dict(data.args)
@@ -306,8 +309,6 @@ def _worker(rank: int, world: int, table: list[dict[str, Any]], quick: bool, dev
     a one-process table): every row in turn, each a whole ``kiln.train.train`` run in this
     process's group (a run leaves a group it did not make up), as a worker started by ``kiln
     train --nproc`` runs one."""
-    from kiln.config import load_config
-    from kiln.train import read_metrics, train
 
     sizes = sizes or SIZES[device]
     peak = _Peak(device)
@@ -379,7 +380,6 @@ def measure(quick: bool = False, device: str = "cpu", nproc: int | None = None, 
     """The table on ``device`` in ``nproc`` processes (default :func:`default_nproc`);
     ``sizes``: what the rows train, default the device's (:data:`SIZES`; a test runs the GPU's
     table on a CPU with a smaller model)."""
-    from kiln.launch.testing import run_distributed
 
     nproc = check_nproc(default_nproc(device) if nproc is None else nproc, device)
     sizes = sizes or SIZES[device]

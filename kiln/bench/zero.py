@@ -13,7 +13,6 @@ during a step) and optimizer state. Next to them, the ZeRO paper's formulas
 (Rajbhandari et al., arXiv 1910.02054, fp32 with Adam: 4 bytes/param of parameters, 4 of
 gradients, 8 of state; stage 1 shards the state, stage 2 also the gradients, stage 3 also
 the parameters), per parameter for P parameters and N ranks::
-
     stage 0: 4 + 4 + 8 = 16       stage 1: 4 + 4 + 8/N
     stage 2: 4 + 12/N              stage 3: 16/N   (FSDP2)
     HSDP, R replicas of S = N/R:   16/S            (stage 3 within a group, replicated across)
@@ -35,6 +34,9 @@ from torch import nn
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, target
 from kiln.bench._rss import held_bytes
+from kiln.launch.testing import run_distributed
+from kiln.parallel import Layout, ZeroOptimizer, broadcast_parameters, build_mesh, fsdp_mesh
+
 
 WIDTH, DEPTH = 1024, 3            # 3 x (1024x1024 + 3 x 1024) = 3.16 M parameters
 QUICK_WIDTH, QUICK_DEPTH = 128, 2
@@ -74,7 +76,6 @@ def _row(stage: int, world: int, rank: int, model: nn.Module, grads: list, state
 
 def _worker(rank: int, world: int, width: int, depth: int, steps: int) -> list[dict[str, Any]]:
     import kiln.optim as ko
-    from kiln.parallel import ZeroOptimizer, broadcast_parameters
 
     rows = []
     for stage in (0, 1, 2):
@@ -99,8 +100,6 @@ def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int, replica
     import kiln.optim as ko
     from torch.distributed.fsdp import fully_shard
 
-    from kiln.parallel import Layout, build_mesh, fsdp_mesh
-
     layout = Layout(dp=world, replicate=replicate)
     mesh = fsdp_mesh(build_mesh(layout), layout)
     model = _model(width, depth)
@@ -114,8 +113,6 @@ def _fsdp_row(rank: int, world: int, width: int, depth: int, steps: int, replica
 
 
 def measure(quick: bool = False) -> Result:
-    from kiln.launch.testing import run_distributed
-
     width, depth = (QUICK_WIDTH, QUICK_DEPTH) if quick else (WIDTH, DEPTH)
     steps = 2 if quick else 4
     rows: list[dict[str, Any]] = []

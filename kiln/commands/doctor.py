@@ -38,8 +38,12 @@ from typing import Any, Iterator
 import torch
 
 from kiln import hardware
-from kiln._environment import EXTRAS, Diagnosis, import_diagnosis, package_version
+from kiln._environment import Diagnosis, EXTRAS, import_diagnosis, package_version
 from kiln._version import __version__
+from kiln.optim import native_kernels_build
+from kiln.precision import resolve
+from kiln.precision.auto import rule
+
 
 __all__ = ["CHECKED", "collect", "main", "render", "to_json"]
 
@@ -145,8 +149,6 @@ def _auto_precision(device: str) -> dict[str, Any]:
     """``mode``: auto's choice where a rule gives it (``how`` is then ``rule``); where it is
     timed on each run's model (a CPU with native bf16, a GPU with bf16 units holding the whole
     model, as one process does), ``how`` is ``measured`` and ``mode`` what it stands at until then."""
-    from kiln.precision.auto import rule
-    from kiln.precision import resolve
 
     return {"device": device, "mode": resolve("auto", device), "how": "rule" if rule(device, whole_model=True) else "measured"}
 
@@ -226,8 +228,6 @@ def _compile(device: str, found: _Findings) -> dict[str, Any]:
 
 
 def _native_kernels(found: _Findings) -> dict[str, Any]:
-    from kiln.optim import native_kernels_build
-
     error = native_kernels_build()
     if error is None:
         return {"ok": True}

@@ -30,6 +30,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from kiln.config import load_config, parse_overrides
+from kiln.launch import RUN_DIR_ENV, exit_status, train_command
+from kiln.plan.search import AXES, NoFit, search
+from kiln.train import train
+
 CANDIDATES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16-mixed"),
     "optim.contiguous": ("true", "false"),
@@ -50,8 +55,6 @@ def candidates(compile: bool = False, keys: Iterable[str] | None = None) -> list
 def tune(config: str | Path, overrides: Iterable[str] = (), *, steps: int = 30, compile: bool = False,
          keys: Iterable[str] | None = None) -> list[dict[str, Any]]:
     """Train every candidate for ``steps`` steps; rows sorted fastest first."""
-    from kiln.config import load_config
-    from kiln.train import train
 
     overrides = list(overrides)
     load_config(config, overrides)  # a bad config fails here, before any trial
@@ -85,8 +88,6 @@ def _trial(config: str | Path, overrides: list[str], nproc: int, steps: int, scr
     import io
     import json
     import os
-
-    from kiln.launch import RUN_DIR_ENV, exit_status, train_command
 
     out = Path(tempfile.mkdtemp(prefix="trial-", dir=scratch))
     args = [*overrides, f"train.max_steps={steps}", "train.log_every=2", "train.eval_every=0",
@@ -122,10 +123,6 @@ def tune_within(config: str | Path, overrides: Iterable[str] = (), *, nproc: int
     fits ``budget`` bytes a process (see the module). Returns a :class:`kiln.plan.search.Search`
     whose ``pick`` is the chosen candidate; raises :class:`kiln.plan.search.NoFit` when nothing fits."""
     import time
-
-    from kiln.plan.search import AXES, NoFit, search
-    from kiln.config import load_config
-    from kiln.config import parse_overrides
 
     from omegaconf import OmegaConf
 

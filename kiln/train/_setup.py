@@ -5,7 +5,6 @@ puts it back exactly where the checkpoint left off. What it returns, :class:`Run
 A rank is built by a short list of stages, each a function of the config and of what the
 stages before it returned (torchtitan's ``Trainer.__init__``: device, model, parallelize,
 optimizer, data)::
-
     place = join(cfg)                                    # process group, layout, device, seed
     precision = Precision(cfg.train.precision, place.device)
     data, total_steps = load_data(cfg, place)            # loaders, checked against the steps
@@ -41,35 +40,31 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln._version import __version__
+from kiln.compile import apply_compile
 from kiln.config import save_config
 from kiln.errors import ConfigError
 from kiln.hardware import machine_line
 from kiln.hf import deferred_weights, load_inner_weights, load_weights, materialize, meta_parameters, weights_source
+from kiln.memory import apply_ac
 from kiln.optim import has_arena
 from kiln.parallel import Parallel, broadcast_parameters, init_distributed, parallelize
 from kiln.precision import Precision
+from kiln.precision.auto import AutoChoice, CANDIDATES, choose_for_model, rule, same_random
 from kiln.train._batches import Batches, step_plan, steps_per_epoch
-from kiln.train._tensor_peak import TensorMemory
-from kiln.train._mfu import Mfu
 from kiln.train._build import (
-    Data,
-    build_data,
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    build_task,
-    check_model,
-    pick_device,
+    Data, build_data, build_model, build_optimizer, build_scheduler, build_task, check_model, pick_device,
     seed_everything,
 )
 from kiln.train._callbacks import EarlyStopping
 from kiln.train._checkpoint import checkpoint_to_resume, load_into, plain, set_rng_state
 from kiln.train._chunked_loss import AUTO_MIN_BYTES, apply_chunked_head, chunked_head_path
 from kiln.train._loggers import Loggers, check_loggers
+from kiln.train._mfu import Mfu
 from kiln.train._progress import Progress
 from kiln.train._ranks import NullRun, broadcast_path, check_layout
+from kiln.train._tasks import Task, loss_from_logits, micro_batch_loss, to_device
+from kiln.train._tensor_peak import TensorMemory
 from kiln.train.run_dir import CONFIG, RunDir, RunLock
-from kiln.train._tasks import Task, loss_from_logits
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -235,8 +230,6 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
         optimizer = make_optimizer(cfg, place, precision, par)
         step = step_context(cfg, place, precision, built, par, optimizer, total_steps)
         if cfg.train.compile:
-            from kiln.compile import apply_compile
-
             step.model = apply_compile(step.model)  # compiles lazily: the first step pays for it
         if resumed is not None:
             check_extends(Path(resume), resumed[1]["step"], total_steps)
@@ -313,7 +306,6 @@ def settle_precision(cfg: Any, place: Place, precision: Precision, built: Built,
     other modes return ``cfg`` as it is."""
     if precision.requested != "auto":
         return cfg
-    from kiln.precision.auto import CANDIDATES, AutoChoice, rule
 
     if resumed is not None and resumed[1].get("precision", {}).get("mode") in CANDIDATES:
         # never measured again: a resumed run goes on in the mode it trained in
@@ -342,8 +334,6 @@ def lay_out(cfg: Any, place: Place, built: Built, precision: Precision, *, resum
     tc, model, task, layout = cfg.train, built.model, built.task, place.layout
     precision.convert(model)  # fp8: the linears become float8 ones, before anything wraps or splits them
     if tc.activation_checkpointing != "none":
-        from kiln.memory import apply_ac
-
         apply_ac(model, tc.activation_checkpointing, every=tc.ac_every, blocks=tc.ac_blocks)
     # a causal LM's head and loss in chunks of rows (kiln/train/_chunked_loss.py): the model
     # returns the hidden states its output projection took, and the task's loss makes the logits
@@ -503,8 +493,6 @@ def _watchers(tc: Any) -> dict[str, EarlyStopping | None]:
 def _measure_precision(cfg: Any, place: Place, built: Built, data: Data) -> Any:
     """Forward and backward of the built model (the whole model, not yet laid out) on this
     rank's first micro-batch, in fp32 and bf16-mixed."""
-    from kiln.precision.auto import AutoChoice, choose_for_model, same_random
-    from kiln.train._tasks import micro_batch_loss, to_device
 
     tc, model, device = cfg.train, built.model, place.device
     micro = max(1, cfg.data.batch_size // (tc.accumulate * place.layout.dp))
