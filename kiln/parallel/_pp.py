@@ -57,7 +57,6 @@ them or None.
 from __future__ import annotations
 
 import copy
-import difflib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.errors import did_you_mean
 from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, model_plan, models_with
 
 __all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "schedule_bubble", "stage_ranges",
@@ -102,9 +102,7 @@ _MAX_RUNNERS = 4  # distinct (mode, batch shape) pipelines kept built; see Pipel
 def _check_schedule(schedule: str) -> str:
     name = str(schedule).lower()
     if name not in SCHEDULES:
-        close = difflib.get_close_matches(name, list(SCHEDULES), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"parallel.pp_schedule={schedule!r} is not a pipeline schedule{hint} "
+        raise ValueError(f"parallel.pp_schedule={schedule!r} is not a pipeline schedule{did_you_mean(name, SCHEDULES)} "
                          f"Choose one of: {', '.join(SCHEDULES)}")
     return name
 
