@@ -28,6 +28,8 @@ from typing import Any, Callable
 from torch import nn
 import torch
 
+from kiln.models import create_model
+
 __all__ = ["apply_compile", "timed_first_call", "COMPILE_SCOPES"]
 
 COMPILE_SCOPES = ("model", "blocks")
@@ -72,7 +74,6 @@ def timed_first_call(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def _compare_scopes(steps: int = 30) -> None:
     """Print first-step and steady step time of eager vs both compile scopes (``python -m kiln.compile``)."""
-    from kiln.models import create_model
 
     x = torch.randn(64, 1, 8, 8)
     y = torch.randint(0, 10, (64,))

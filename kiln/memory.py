@@ -52,6 +52,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kiln.models import repeated_blocks
+
 __all__ = ["apply_ac", "remove_ac", "checkpointed_blocks", "AC_MODES"]
 
 AC_MODES = ("none", "selective", "full")
@@ -112,8 +114,6 @@ def _remove_cache_hooks(model: nn.Module) -> None:
 
 
 def _blocks(model: nn.Module, path: str | None = None) -> nn.ModuleList | nn.Sequential:
-    from kiln.models import repeated_blocks
-
     try:
         return repeated_blocks(model, path)
     except TypeError as exc:

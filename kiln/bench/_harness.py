@@ -40,7 +40,9 @@ from typing import Any, Callable
 
 import torch
 
+from kiln._plotting import log_scale, subplots
 from kiln.hardware import machine_info, machine_line
+
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "lab" / "benchmarks.md"
 Key = str | Callable[[dict[str, Any]], Any]  # a row's field, or a function of the row
@@ -168,8 +170,6 @@ class Bars:
     color: Callable[[dict[str, Any]], str] | None = None
 
     def draw(self, ax: Any) -> None:
-        from kiln._plotting import log_scale
-
         at = list(range(len(self.rows)))
         n = 1 if self.stacked else len(self.y)
         width, base = 0.8 / n, [0.0] * len(at)
@@ -281,8 +281,6 @@ def _load_note(load: tuple[tuple[float, ...], ...], cpus: int, processes: int) -
 
 
 def _draw(panels: list[Bars], path: Path, title: str) -> None:
-    from kiln._plotting import subplots
-
     fig, axes = subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel.draw(ax)

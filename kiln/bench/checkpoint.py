@@ -45,6 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, median, sync, target
+from kiln.models import create_model
+from kiln.optim import AdamW
+from kiln.parallel import AsyncSaver, save_sharded
+
 
 FULL = {"dim": 768, "depth": 8, "heads": 12}
 QUICK = {"dim": 256, "depth": 4, "heads": 4}
@@ -53,9 +57,6 @@ SEQ, BATCH, VOCAB = 32, 1, 256  # a short step: the steps after a save outlast i
 
 
 def _build(shape: dict[str, int], device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from kiln.models import create_model
-    from kiln.optim import AdamW
-
     torch.manual_seed(0)
     model = create_model("gpt", vocab_size=VOCAB, seq_len=SEQ, **shape).to(device)
     return model, AdamW(model.parameters(), lr=1e-4)
@@ -91,7 +92,6 @@ def _window(mode: str, model: torch.nn.Module, opt: torch.optim.Optimizer, devic
             saver: Any, path: Path, blob: torch.Tensor | None = None) -> dict[str, float]:
     """Seconds of a save and the ``steps`` after it (and, async, the wait for the write), with
     the save's own call and the background write's length."""
-    from kiln.parallel import save_sharded
 
     shutil.rmtree(path, ignore_errors=True)
     sync()
@@ -123,8 +123,6 @@ def _window(mode: str, model: torch.nn.Module, opt: torch.optim.Optimizer, devic
 
 
 def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, threads: int = 1) -> Result:
-    from kiln.parallel import AsyncSaver
-
     shape, rounds, steps = (QUICK, 1, 4) if quick else (FULL, 7, 10)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)

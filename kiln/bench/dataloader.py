@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, children_cpu_s, target
+from kiln.data import build_loader, resolve_workers
+
 
 __all__ = ["run", "measure", "AugmentedDigits"]
 
@@ -109,7 +111,6 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _measure(dataset: Dataset, workers: int | str, batch_size: int, batches: int) -> dict[str, float]:
     """One epoch of exactly ``batches + 1`` batches, so that no prefetched work is left over."""
-    from kiln.data import build_loader
 
     subset = Subset(dataset, range((batches + 1) * batch_size))
     children_cpu = children_cpu_s()
@@ -166,7 +167,6 @@ def _cpu_parallelism(processes: int, n: int = 2_000_000) -> float:
 
 def measure(quick: bool = False) -> Result:
     """Measure ``workers=0`` and ``workers="auto"``, alternating, the best of ``repeats`` runs each."""
-    from kiln.data import resolve_workers
 
     spec = QUICK if quick else FULL
     images, labels = _digits()

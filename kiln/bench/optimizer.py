@@ -35,6 +35,7 @@ import torch
 
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, interleaved, median, target, time_ms
 
+
 LAYOUTS = {"small": (12, 128), "large": (24, 512)}
 QUICK_LAYOUTS = {"small": (2, 32), "large": (2, 64)}
 

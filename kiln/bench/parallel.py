@@ -78,11 +78,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import kiln.optim
-from kiln.bench._harness import Bars, Col, Result, Table, benchmark
 from kiln._profiling import profiled
+from kiln.bench._harness import Bars, Col, Result, Table, benchmark
 from kiln.bench._profile import comm_seconds
 from kiln.bench._rss import Rss, held_bytes
+from kiln.launch.testing import run_distributed
+from kiln.models import create_model
 from kiln.parallel import Layout, parallelize
+
 
 # Shape legend: B batch (global unless said), T sequence length, V vocabulary.
 
@@ -130,8 +133,6 @@ def _build(name: str, m: dict[str, Any]) -> torch.nn.Module:
     """Model ``name`` of the sizes ``m``: kiln's registry, or a transformers Llama (grouped-query
     attention with half as many key/value heads, SwiGLU of width 3 x dim; untied, as pp needs)."""
     if name != "llama":
-        from kiln.models import create_model
-
         return create_model(name, **m)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -282,8 +283,6 @@ def _bubbles(ranks: list[dict[str, Any]]) -> list[float]:
 
 
 def _measure(models: tuple[str, ...], layouts: list[tuple[int, int, int]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    from kiln.launch.testing import run_distributed
-
     # One spawned group per number of ranks, running its layouts one after the other: starting
     # processes and importing torch, DTensor and pipelining there costs more than a quick run's
     # steps, and each model run starts from freed memory (see Rss.restart) in any case.

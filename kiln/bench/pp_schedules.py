@@ -44,7 +44,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import kiln.optim
 from kiln.bench._harness import Bars, Col, Result, Table, benchmark, target
+from kiln.launch.testing import run_distributed
+from kiln.models import create_model
+from kiln.parallel import PP_SCHEDULES, SPLIT_BACKWARD, build_pipeline, check_pipeline, schedule_bubble, stage_ranks
+
 
 # Shape legend: B batch per step, T sequence length, V vocabulary.
 MODEL = dict(vocab_size=256, seq_len=128, dim=256, depth=8, heads=8, dropout=0.0)  # 6.5 M parameters
@@ -60,10 +65,6 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, world: int, schedules: list[str], s: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
-
-    import kiln.optim
-    from kiln.models import create_model
-    from kiln.parallel import build_pipeline
 
     runs = {}
     for name in schedules:
@@ -91,8 +92,6 @@ def _worker(rank: int, world: int, schedules: list[str], s: dict[str, Any]) -> d
 
 
 def _row(name: str, ranks: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, Any]:
-    from kiln.parallel import SPLIT_BACKWARD, schedule_bubble, stage_ranks
-
     pp, m = len(ranks), s["microbatches"]
     steps = [r["steps"][name] for r in ranks]
     walls = [max(rank[i]["wall_s"] for rank in steps) for i in range(len(steps[0]))]  # the pipeline's step
@@ -118,8 +117,6 @@ def measure(quick: bool = False, *, settings: dict[str, Any] | None = None,
             schedules: tuple[str, ...] | None = None) -> Result:
     """Every schedule at ``PP`` ranks. ``settings`` (see :func:`settings_for`) and ``schedules``
     narrow the run (tests)."""
-    from kiln.launch.testing import run_distributed
-    from kiln.parallel import PP_SCHEDULES, check_pipeline
 
     s = settings or settings_for(quick)
     names = list(schedules or PP_SCHEDULES)

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kiln._plotting import log_scale, subplots
 from kiln.train.run_dir import METRICS, SUMMARY, read_metrics
+
 
 _COLUMNS = ("status", "steps", "final_train_loss", "samples_per_second", "peak_memory_mb", "wall_seconds")
 
@@ -58,7 +60,6 @@ def check_runs(paths: list[str]) -> list[Path]:
 
 def plot(runs: list[Path], out: Path) -> Path:
     """Train loss and every eval metric of every run against step, one panel each, in one figure."""
-    from kiln._plotting import log_scale, subplots
     metrics = {run: read_metrics(run) for run in runs}
     evals = _eval_columns([row for rows in metrics.values() for row in rows[:1]])
     panels = [("train_loss", "train loss", True)] + [(k, k.replace("_", " "), k.endswith(("loss", "perplexity")))

@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from kiln.errors import ConfigError
+
 # Modules kiln imports from a file under a name of its own (a .py config, a file target whose
 # natural name is taken) start with this; ``target_path`` names their objects by file.
 FILE_MODULE_PREFIX = "_kiln_file_"
@@ -328,8 +330,6 @@ def _kwargs(node: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _call(node: dict[str, Any], where: str) -> Any:
-    from kiln.errors import ConfigError
-
     target = node["_target_"]
     fn = locate(target)
     kwargs = _kwargs(node, where)
@@ -346,7 +346,6 @@ def build_callable(node: Any) -> Any:
     """The callable a config key such as ``train.loss``, ``train.metrics.NAME`` or
     ``data.collate_fn`` names, to be called later with runtime arguments
     (``fn(outputs, batch)``, ``fn(samples)``):
-
     - None: None;
     - a callable: itself;
     - an import path (dotted or file) or a node ``{"_target_": path, **kwargs}``: a function

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kiln._environment import import_diagnosis
-from kiln.errors import did_you_mean
 from kiln.config._lazy import add_user_dir, file_module_name, locate, target_path
-from kiln.config._schema import NAMESPACES
+from kiln.config._schema import DataConfig, EarlyStoppingConfig, NAMESPACES, OptimConfig
 from kiln.config._types import ConfigError, coerce, coerce_dataclass, type_name
+from kiln.config._units import parse_size
+from kiln.errors import did_you_mean
 
 
 def _suggest(word: str, options: Iterable[str], prefix: str = "") -> str:
@@ -397,7 +398,6 @@ def _validate_data_target(given: dict[str, Any]) -> dict[str, Any]:
     """``data`` with a ``_target_``: the keys that are ``DataConfig``'s go to the loader (typed,
     defaults filled), every other key is an argument of the target. Returns
     ``{"_target_", **target kwargs, **loader keys}`` (no name, no args)."""
-    from kiln.config._schema import DataConfig
 
     loader_keys = DataConfig.loader_keys()
     for key in ("name", "args"):
@@ -434,7 +434,6 @@ def _validate_metrics(metrics: Any) -> dict[str, Any] | None:
 def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
     """optim.name names one of kiln's optimizers, and every optimizer-specific key set (not
     left at its default) is one that optimizer takes: the classes declare both."""
-    from kiln.config._schema import OptimConfig
     from kiln.optim import OPTIMIZERS, TORCH_OPTIMIZERS
 
     name = values["name"]
@@ -458,7 +457,6 @@ def _validate_optim(values: dict[str, Any]) -> dict[str, Any]:
 def _non_finite(cfg: dict[str, Any]) -> tuple[str, float] | None:
     """The first key of kiln's own namespaces holding nan or inf (``optim.lr=nan`` would train
     to "completed" on a NaN loss) and its value; None if every float is finite."""
-    from kiln.config._schema import EarlyStoppingConfig
 
     def walk(value: Any, key: str) -> tuple[str, float] | None:
         if isinstance(value, float) and not math.isfinite(value):
@@ -497,8 +495,6 @@ def _validate_ranges(cfg: dict[str, Any]) -> None:
                                   "train.output_dir to a directory (it is created if missing)")
             break
     if train["memory_budget"] is not None:
-        from kiln.config._units import parse_size
-
         try:
             parse_size(train["memory_budget"])
         except ValueError as exc:

@@ -1,7 +1,6 @@
 """Dataset registry and the built-in datasets.
 
 A dataset is a builder ``builder(seed: int, **kwargs) -> DataSplits`` registered by name::
-
     @register_dataset("digits")
     def digits(seed: int, *, split_seed: int = 0) -> DataSplits: ...
 
@@ -26,7 +25,9 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from kiln import _cache
 from kiln.errors import did_you_mean
+
 
 __all__ = ["DataSplits", "register_dataset", "build_dataset", "check_dataset", "list_datasets", "dataset_signature"]
 
@@ -169,8 +170,6 @@ def _digits_split(target: Any, split_seed: int) -> tuple[torch.Tensor, torch.Ten
     """scikit-learn's stratified ``train_test_split`` of the digits (297 held out), computed
     once per scikit-learn version and split seed and kept in kiln's cache (:mod:`kiln._cache`)."""
     from importlib.metadata import version
-
-    from kiln import _cache
 
     key = f"digits|{_DIGITS_VAL}|{split_seed}|scikit-learn {version('scikit-learn')}"
     hit = _cache.get("data_splits", key)

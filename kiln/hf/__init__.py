@@ -3,12 +3,10 @@ any layout, write a run's model back out.
 
 A transformers model needs nothing from kiln to train: its class and config class are plain
 callables, so a config builds it with nested LazyCalls (random initialisation, no download)::
-
     from transformers import GPT2Config, GPT2LMHeadModel
     model = L(GPT2LMHeadModel)(config=L(GPT2Config)(n_layer=2, n_embd=64, n_head=4, vocab_size=256))
 
 Weights from a local directory (``save_pretrained`` output: safetensors, sharded or not)::
-
     model = L(kiln.hf.from_pretrained)(path="/models/tiny-llama", model_class="AutoModelForCausalLM")
 
 Under ``kiln train`` that model is built from the directory's ``config.json`` with its
@@ -20,7 +18,6 @@ through ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``. No rank
 model unless the layout is one process. Called in plain Python, :func:`from_pretrained` returns
 the loaded model, as transformers' own does; ``lazy=True`` returns it unloaded, to be laid out
 and then filled with :func:`load_weights`::
-
     >>> model = kiln.hf.from_pretrained("/models/tiny-llama", lazy=True)      # doctest: +SKIP
     >>> par = kiln.parallel.parallelize(model, layout, zero=3)                 # doctest: +SKIP
     >>> kiln.hf.load_weights(par.model, "/models/tiny-llama")                  # doctest: +SKIP
@@ -49,6 +46,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from kiln.errors import ConfigError
 
 __all__ = ["copy_weights", "deferred_weights", "describe", "export_checkpoint", "from_pretrained", "is_hf_model",
            "load_inner_weights", "load_weights", "materialize", "meta_parameters", "weights_source",
@@ -466,7 +465,6 @@ def describe(directory: Path | str) -> str:
     return f"{len(found)} tensors, {size / 2**20:.1f} MB in {len(files)} file{'s' if len(files) > 1 else ''}"
 
 
-
 def export_checkpoint(build: Callable[[], nn.Module], checkpoint: Path | str, to: Path | str) -> Path:
     """Write the transformers model that ``build()`` makes, filled from the kiln checkpoint
     directory ``checkpoint``, to ``to`` with :func:`write_pretrained` (``to`` is replaced if it
@@ -478,7 +476,6 @@ def export_checkpoint(build: Callable[[], nn.Module], checkpoint: Path | str, to
     into this process, not the optimizer state, with DCP's metadata unpickler that admits only
     its own classes: nothing in a checkpoint executes. ConfigError: the model cannot be built
     (a from_pretrained directory since removed), or is not a transformers one."""
-    from kiln.errors import ConfigError
     from kiln.parallel import read_sharded
 
     try:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 __all__ = ["EncoderLayerConfig", "EncoderLayer", "EncoderStack", "fast_dropout", "random_bits16"]
 
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}

@@ -72,7 +72,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
+from kiln.models import find_plan
 from kiln.optim import KilnOptimizer
+
 __all__ = ["save_sharded", "AsyncSaver", "load_sharded", "read_sharded", "check_sharded", "META_FILE"]
 
 META_FILE = "kiln_meta.json"
@@ -140,7 +142,6 @@ def _held_shape(model: Modules) -> Any:
     """``held(fqn, shape) -> shape``: the shape under which every layout checkpoints a tensor
     (the family plan's ``held_shape``: GPT-2's fused q/k/v weight as (C, 3, C), which tensor
     parallelism holds so); the identity for families without one."""
-    from kiln.models import find_plan
 
     for m in _modules(model):
         plan = find_plan(m) or getattr(m, "parallel_plan", None)

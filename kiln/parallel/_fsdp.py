@@ -6,7 +6,6 @@ FSDP unit (its parameters all-gathered for its forward and backward, re-sharded 
 the root takes the rest (embeddings, head). Parameters become DTensors sharded on dim 0 over the mesh.
 
 Per step, on every rank (FSDP2 reduce-scatters and averages the gradients during backward)::
-
     model = apply_fsdp(model)                                   # before building the optimizer
     opt = kiln.optim.AdamW(model.parameters(), contiguous=False)  # multi-tensor over the shards
     for step in ...:
@@ -24,6 +23,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+
+from kiln.models import repeated_blocks
 
 __all__ = ["apply_fsdp", "is_fsdp"]
 
@@ -49,7 +50,6 @@ def apply_fsdp(model: nn.Module, *, mesh=None, mp_policy=None, reshard_after_for
     # (docs/lab/facts.md, 'FSDP2 and the moment torch's compiler is imported'). FSDP2 imports it anyway.
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("apply_fsdp needs an initialised process group (kiln.parallel.init_distributed)")
-    from kiln.models import repeated_blocks
 
     try:
         blocks = repeated_blocks(model)

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.errors import ConfigError
+
 __all__ = ["Layout", "resolve_layout", "check_replicate", "build_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS",
            "HSDP_DIMS"]
 
@@ -78,7 +80,6 @@ def resolve_layout(parallel: Any, world: int) -> Layout:
     ``parallel.dp=None`` takes what tp and pp leave. Raises ``ConfigError`` naming the numbers
     when they do not multiply to ``world``, or when ``parallel.replicate`` does not split dp.
     """
-    from kiln.errors import ConfigError
 
     tp, pp = parallel.tp, parallel.pp
     for key, value in (("tp", tp), ("pp", pp)):
@@ -105,7 +106,6 @@ def resolve_layout(parallel: Any, world: int) -> Layout:
 def check_replicate(replicate: int, dp: int) -> None:
     """Raise ``ConfigError`` unless ``parallel.replicate`` splits ``dp`` data-parallel ranks into
     groups of at least two (a group of one shards nothing: that is plain data parallel)."""
-    from kiln.errors import ConfigError
 
     if replicate > 1 and dp % replicate:
         raise ConfigError(f"parallel.replicate={replicate} must divide the data-parallel size parallel.dp={dp}; "

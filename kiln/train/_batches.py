@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.data import StepSampler
+
 
 @dataclass
 class Step:
@@ -71,7 +73,6 @@ class Batches:
 
 def step_plan(loader: Any) -> Any:
     """The loader's :class:`kiln.data.StepSampler`, or None (a stream)."""
-    from kiln.data import StepSampler
 
     plan = getattr(loader, "batch_sampler", None)
     return plan if isinstance(plan, StepSampler) else None

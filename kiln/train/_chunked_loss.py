@@ -63,7 +63,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ConfigError
+from kiln.models import find_plan
 from kiln.train._tasks import IGNORE, loss_from_logits, model_kind, upcast
+
 
 __all__ = ["AUTO_MIN_BYTES", "CHUNK_BYTES", "CUDA_CHUNK_BYTES", "ChunkedHead", "apply_chunked_head", "check_chunked_lm_loss", "chunk_rows",
            "chunked_cross_entropy", "chunked_eval_sums", "chunked_head_path", "head_path"]
@@ -442,7 +444,6 @@ def head_path(model: nn.Module, *, recognise: bool = True) -> str | None:
     (``ParallelPlan.output``), else, with ``recognise``, a Hugging Face causal LM's
     ``get_output_embeddings()`` when it is an ``nn.Linear`` and the config transforms no logit
     after it; None when there is none."""
-    from kiln.models import find_plan
 
     plan = find_plan(model)
     if plan is not None and plan.output is not None:

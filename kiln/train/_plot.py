@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kiln._plotting import log_scale, subplots
 from kiln.train.run_dir import read_metrics
 
 
@@ -36,7 +37,6 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def loss_figure(run_dir: Path) -> Any:
     """The ``matplotlib`` figure :func:`plot_loss` saves."""
-    from kiln._plotting import log_scale, subplots
 
     rows = read_metrics(run_dir)
     fig, ax = subplots(figsize=(7, 4.2))

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.parallel import check_parallel_config
+
 if TYPE_CHECKING:
     from kiln.parallel import Layout
 
@@ -15,7 +17,6 @@ if TYPE_CHECKING:
 def check_layout(cfg: Any, world: int) -> "Layout":
     """The dp x tp x pp layout of ``world`` processes, checked against the batch and the model
     before anything is built; raises ConfigError naming the numbers."""
-    from kiln.parallel import check_parallel_config
 
     return check_parallel_config(cfg, world)
 

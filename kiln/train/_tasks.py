@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.errors import ConfigError
+
 IGNORE = -100  # cross_entropy's ignore_index: mlm positions that were not masked, padding
 KINDS = ("classification", "lm", "mlm", "seq2seq")
 
@@ -188,8 +190,6 @@ def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
     Targets equal to -100 (cross_entropy's ignore_index) are not scored."""
     if logits.shape[:-1].numel() != targets.numel():
-        from kiln.errors import ConfigError
-
         raise ConfigError(
             f"the model's logits {tuple(logits.shape)} do not line up with the batch's targets {tuple(targets.shape)}: "
             "kiln scores one row of logits per target. If the model's forward takes the targets (nanoGPT's "

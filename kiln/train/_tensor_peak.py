@@ -17,7 +17,9 @@ from typing import Any, Iterator
 
 import torch
 
+from kiln._profiling import profiled
 from kiln.optim import KilnOptimizer, local_tensor
+
 
 __all__ = ["TensorMemory", "live_tensor_bytes"]
 
@@ -85,8 +87,6 @@ class TensorMemory:
             yield
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            from kiln._profiling import profiled
-
             base = live_tensor_bytes(*self.holders)
             with profiled(profile_memory=True) as prof:
                 yield
