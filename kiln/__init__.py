@@ -12,9 +12,18 @@ Public API (imported lazily so that ``import kiln`` stays cheap)::
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from kiln._version import __version__
+
+# torchao's import logs a warning for each of its compiled kernels built for another torch, and
+# torch's pytree one for each Enum torchao registers; transformers imports torchao too (its
+# quantizer checks), not only train.precision=fp8. kiln's float8 training uses none of those
+# kernels, and kiln says what it has to say in one line each. A level the user set is kept.
+for _name in ("torchao", "torch.utils._pytree"):
+    if logging.getLogger(_name).level == logging.NOTSET:
+        logging.getLogger(_name).setLevel(logging.ERROR)
 
 # name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {

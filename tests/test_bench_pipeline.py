@@ -34,11 +34,11 @@ def _curve(row: dict) -> list[tuple[int, float, float]]:
 
 @pytest.mark.distributed  # seven kiln train runs in this process, five of them launching two ranks
 def test_quick_run_writes_files_and_each_row_runs_its_config(tmp_path, monkeypatch):
-    import kiln.parallel
+    import kiln.bench.pp_schedules
 
     assert "pipeline" in BENCHMARKS
     # the schedules' table after the six ways: two of its rows here (tests/test_bench_pp_schedules.py runs all)
-    monkeypatch.setattr(kiln.parallel, "PP_SCHEDULES", ("1f1b", "zbv"))
+    monkeypatch.setattr(kiln.bench.pp_schedules, "PP_SCHEDULES", ("1f1b", "zbv"))
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     handlers = [signal.getsignal(s) for s in stops]
     report = run_benchmark("pipeline", tmp_path, quick=True)
