@@ -22,11 +22,19 @@ A mode's stall is its window's wall time less ``steps`` of the round's step: wha
 added to training. The rounds alternate which mode goes first, and the figures are medians over
 rounds, with the ratio async / sync taken within each round (a busier minute moves both).
 ``steps`` is chosen so that the steps after a save outlast its background write, as the steps
-between two saves of a run do.
+between two saves of a run do. Beside the stall, each mode's CPU time: the process's (every
+thread: the steps, the save, DCP's writing thread) over the window, less that of as many steps
+without a save.
 
-Training runs on one thread (``threads``) so that the background write has a core of its own:
-the case of a GPU run, whose host threads mostly wait for the device; on a CPU run whose threads
-fill every core, the background write takes its CPU time from the steps instead.
+Training runs on one thread (``threads``) so that the background write can have a core of its
+own: the case of a GPU run, whose host threads mostly wait for the device. Whether it had one
+is measured, not assumed: the report gives the share of a core the training thread got between
+saves (``core_share``, its CPU time over its wall time). Below 1, other work held the cores
+(a shared machine; a CPU run whose threads fill every core), and the background write's CPU
+time comes out of the steps' time: the async stall is then about its CPU time over that share,
+whether the writer is a thread or a process (measured: the same stall with DCP's write in a
+process of its own, fed from shared memory), and cannot approach 20% of a save that stops
+training, which costs as much CPU time plus the wait for the disk.
 
     kiln bench checkpoint --quick      # a 3 M-parameter GPT (38 MiB of state), one round
 """
@@ -95,7 +103,7 @@ def _window(mode: str, model: torch.nn.Module, opt: torch.optim.Optimizer, devic
 
     shutil.rmtree(path, ignore_errors=True)
     sync()
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     writer = None
     if mode == "sync":
         save_sharded(path, model, opt, extra={"step": 0})
@@ -118,8 +126,9 @@ def _window(mode: str, model: torch.nn.Module, opt: torch.optim.Optimizer, devic
     end = time.perf_counter()
     if mode != "sync" and written == call:
         written = end - t0
+    cpu = time.process_time() - cpu0  # every thread of this process: the steps, the save's own, DCP's writer
     assert (path / ("blob" if writer else "kiln_meta.json")).is_file()
-    return {"window": end - t0, "call": call, "written": written, "waited": end - after_steps}
+    return {"window": end - t0, "call": call, "written": written, "waited": end - after_steps, "cpu": cpu}
 
 
 def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, threads: int = 1) -> Result:
@@ -141,11 +150,16 @@ def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, t
             _window(mode, model, opt, device, 1, saver, folder / mode, blob)
         per_round: list[dict[str, Any]] = []
         for r in range(rounds):
-            step = median(_steps(model, opt, device, steps))
+            cpu0 = time.process_time()
+            times = _steps(model, opt, device, steps)
+            step, step_cpu = median(times), (time.process_time() - cpu0) / steps
             order = MODES if r % 2 == 0 else MODES[::-1]
             got = {mode: _window(mode, model, opt, device, steps, saver, folder / mode, blob) for mode in order}
-            per_round.append({"step": step, **{mode: {**w, "stall": w["window"] - steps * step}
-                                               for mode, w in got.items()}})
+            # the share of a core the training thread got between saves: below 1, no core was idle
+            # for a background write, whose CPU time then comes out of the steps' time
+            per_round.append({"step": step, "step_cpu": step_cpu, "core_share": step_cpu * steps / sum(times),
+                              **{mode: {**w, "stall": w["window"] - steps * step, "cpu_added": w["cpu"] - steps * step_cpu}
+                                 for mode, w in got.items()}})
     finally:
         torch.set_num_threads(old_threads)
         shutil.rmtree(folder, ignore_errors=True)
@@ -157,11 +171,12 @@ def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, t
                      "waited": median(r[mode]["waited"] for r in per_round),
                      "written": median(r[mode]["written"] for r in per_round),
                      "step": median(r["step"] for r in per_round),
+                     "cpu_added": median(r[mode]["cpu_added"] for r in per_round),
                      "x_sync": median(ratios[mode]),
                      "rounds": [r[mode]["stall"] for r in per_round]})
     cols = [Col("save", "mode"), Col("stall s", "stall", ".3f"), Col("x sync", "x_sync", ".2f"),
             Col("save call s", "call", ".3f"), Col("on disk after s", "written", ".2f"),
-            Col("wait at end s", "waited", ".3f"),
+            Col("wait at end s", "waited", ".3f"), Col("CPU s added", "cpu_added", ".2f"),
             Col("step s", "step", ".3f"),
             Col("stall s, each round", lambda r: ", ".join(f"{s:.3f}" for s in r["rounds"]))]
     where = "CPU" if device == "cpu" else f"GPU {torch.cuda.get_device_name(0)}"
@@ -171,6 +186,8 @@ def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, t
              f"{rounds} alternating round(s)")
     report = {"device": device, "params": params, "state_bytes": state_bytes, "steps": steps, "rounds": rounds,
               "threads": threads, "stall_seconds": {r["mode"]: r["stall"] for r in rows},
+              "cpu_seconds_added": {r["mode"]: r["cpu_added"] for r in rows},
+              "core_share": median(r["core_share"] for r in per_round),
               "async_vs_sync": median(ratios["async"]), "write_vs_sync": median(ratios["write"]),
               "per_round": per_round}
     chart = [Bars(f"stall of one save ({where})", rows, "mode", {"stall s": "stall"}, "seconds")]
@@ -178,7 +195,13 @@ def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, t
              "stall: the wall time of a save and the steps after it (async: and the wait for its background "
              "write) less as many steps without a save; a negative figure is noise smaller than the stall",
              "on disk after: from the save's call to its files renamed into place (async: seen after a step, "
-             "or at the wait)"]
+             "or at the wait)",
+             "CPU s added: the process's CPU time over the window (every thread: the steps, the save, DCP's writer) "
+             "less as many steps' without a save",
+             f"the training thread ran {report['core_share']:.0%} of the time between saves (median): "
+             + ("a core was its own, the other free for a background write" if report["core_share"] >= 0.9 else
+                "the cores were shared, so no core was free for a background write: its CPU time (CPU s added) "
+                "came out of the steps' share")]
     return Result(report, [Table(rows, cols)], title, chart, targets={"async_vs_sync_stall": target(median(ratios["async"]), 0.2)},
                   notes=notes, threads=threads)
 
