@@ -31,8 +31,10 @@ own: the case of a GPU run, whose host threads mostly wait for the device. Wheth
 is measured, not assumed: the report gives the share of a core the training thread got between
 saves (``core_share``, its CPU time over its wall time). Below 1, other work held the cores
 (a shared machine; a CPU run whose threads fill every core), and the background write's CPU
-time comes out of the steps' time: the async stall is then about its CPU time over that share,
-whether the writer is a thread or a process (measured: the same stall with DCP's write in a
+time comes out of the steps' time: the async stall then follows its CPU time (``CPU s added``;
+in docs/lab/facts.md's two runs 1.7-1.9 s, over the training thread's 0.49-0.55 of a core 3.4-3.5
+s, against stalls of 3.7 and 5.4 s),
+whether the writer is a thread or a process (measured: as long a stall with DCP's write in a
 process of its own, fed from shared memory), and cannot approach 20% of a save that stops
 training, which costs as much CPU time plus the wait for the disk.
 
