@@ -160,8 +160,8 @@ def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, t
             # the share of a core the training thread got between saves: below 1, no core was idle
             # for a background write, whose CPU time then comes out of the steps' time
             per_round.append({"step": step, "step_cpu": step_cpu, "core_share": step_cpu * steps / sum(times),
-                              **{mode: {**w, "stall": w["window"] - steps * step, "cpu_added": w["cpu"] - steps * step_cpu}
-                                 for mode, w in got.items()}})
+                              **{mode: {**w, "stall": w["window"] - steps * step,
+                                        "cpu_added": w["cpu"] - steps * step_cpu} for mode, w in got.items()}})
     finally:
         torch.set_num_threads(old_threads)
         shutil.rmtree(folder, ignore_errors=True)
@@ -200,7 +200,7 @@ def measure(quick: bool = False, device: str = "cpu", out: Path | None = None, t
              "or at the wait)",
              "CPU s added: the process's CPU time over the window (every thread: the steps, the save, DCP's writer) "
              "less as many steps' without a save",
-             f"the training thread ran {report['core_share']:.0%} of the time between saves (median): "
+             f"the training thread got {report['core_share']:.0%} of a core between saves (median): "
              + ("a core was its own, the other free for a background write" if report["core_share"] >= 0.9 else
                 "the cores were shared, so no core was free for a background write: its CPU time (CPU s added) "
                 "came out of the steps' share")]
