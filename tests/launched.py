@@ -1,4 +1,6 @@
-"""The ranks that ``kiln train --nproc N`` started, found from outside, to kill one of them."""
+"""kiln run from a test, and what it made found from outside: the ranks that ``kiln train
+--nproc N`` started (to kill one of them), the run directory a training made, and how far two
+runs' tensors are apart."""
 
 from __future__ import annotations
 
@@ -125,3 +127,15 @@ def _kiln_main(args: list[str], environ: dict[str, str], cwd: str, stderr: str, 
     from kiln.commands import main
 
     sys.exit(main(args))
+
+
+def only_run(folder: Path) -> Path:
+    """The one run directory that a training made under ``folder`` (its ``train.output_dir``)."""
+    (run,) = folder.iterdir()
+    return run
+
+
+def max_rel(a: dict, b: dict) -> float:
+    """The largest difference between same-named tensors of ``a`` and ``b``, each relative to the
+    largest magnitude of ``a``'s tensor."""
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)

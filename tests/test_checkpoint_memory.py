@@ -42,6 +42,21 @@ def _state_bytes(model, opt):
     return params + moments
 
 
+def _resume_and_compare(path, model, opt, wrap=lambda o: o):
+    """Loads ``path`` into a fresh model and optimizer (``wrap``ped as ``opt`` was), takes one
+    more step with both, and asserts the parameters and the optimizer's state equal to the bit."""
+    resumed, resumed_opt = _build()
+    resumed_opt = wrap(resumed_opt)
+    assert load_sharded(path, resumed, resumed_opt) == {"step": 1}
+    for m, o in ((model, opt), (resumed, resumed_opt)):
+        _step(m, o, 1)
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    for st_a, st_b in zip(opt.state.values(), resumed_opt.state.values()):
+        for k in st_a:
+            assert torch.equal(st_a[k], st_b[k]), k
+
+
 def test_a_save_allocates_under_5_percent_of_the_state_and_resumes_to_the_bit(tmp_path):
     model, opt = _build()
     _step(model, opt, 0)
@@ -52,15 +67,7 @@ def test_a_save_allocates_under_5_percent_of_the_state_and_resumes_to_the_bit(tm
     allocated = running_peak(prof)
     assert allocated <= 0.05 * state, f"the save allocated {allocated / state:.1%} of the state's bytes"
 
-    resumed, resumed_opt = _build()
-    assert load_sharded(tmp_path / "ck", resumed, resumed_opt) == {"step": 1}
-    for m, o in ((model, opt), (resumed, resumed_opt)):
-        _step(m, o, 1)
-    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
-    for st_a, st_b in zip(opt.state.values(), resumed_opt.state.values()):
-        for k in st_a:
-            assert torch.equal(st_a[k], st_b[k]), k
+    _resume_and_compare(tmp_path / "ck", model, opt)
 
 
 def test_state_dict_copies_and_copy_false_gives_the_arena_state():
@@ -94,12 +101,7 @@ def test_state_on_a_gpu_is_written_a_tensor_a_file_and_resumes_to_the_bit(tmp_pa
     assert len(files) >= tensors  # (step counters are small tensors of their own too)
     assert max(f.stat().st_size for f in files) < largest + 2**16
 
-    resumed, resumed_opt = _build()
-    assert load_sharded(tmp_path / "ck", resumed, resumed_opt) == {"step": 1}
-    for m, o in ((model, opt), (resumed, resumed_opt)):
-        _step(m, o, 1)
-    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
+    _resume_and_compare(tmp_path / "ck", model, opt)
 
 
 def test_a_zero_optimizer_is_saved_from_its_shards_views_and_resumes_to_the_bit(tmp_path):
@@ -118,13 +120,4 @@ def test_a_zero_optimizer_is_saved_from_its_shards_views_and_resumes_to_the_bit(
     allocated = running_peak(prof)
     assert allocated <= 0.05 * state, f"the save allocated {allocated / state:.1%} of the state's bytes"
 
-    resumed, resumed_opt = _build()
-    resumed_zero = ZeroOptimizer(resumed_opt, stage=1)
-    assert load_sharded(tmp_path / "ck", resumed, resumed_zero) == {"step": 1}
-    for m, o in ((model, zero), (resumed, resumed_zero)):
-        _step(m, o, 1)
-    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
-    for st_a, st_b in zip(zero.state.values(), resumed_zero.state.values()):
-        for k in st_a:
-            assert torch.equal(st_a[k], st_b[k]), k
+    _resume_and_compare(tmp_path / "ck", model, zero, wrap=lambda o: ZeroOptimizer(o, stage=1))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kiln.train import load_checkpoint, read_metrics
-from launched import KilnProcess, kiln_here, ranks_of
+from launched import KilnProcess, kiln_here, max_rel, only_run, ranks_of
 
 pytestmark = pytest.mark.distributed  # processes on gloo: the full suite runs them, the fast tier does not
 
@@ -27,15 +27,6 @@ MLP = str(ROOT / "configs" / "digits_mlp.yaml")
 
 def _kiln(*args: str) -> subprocess.CompletedProcess:
     return kiln_here(*args)  # in this process: a kiln train --nproc N launcher without its own interpreter
-
-
-def _only_run(folder: Path) -> Path:
-    (run,) = folder.iterdir()
-    return run
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +41,7 @@ def one_process_runs(tmp_path_factory):
         if args not in runs:
             out = tmp_path_factory.mktemp("one")
             assert main(["train", MLP, *args, f"train.output_dir={out}"]) == 0
-            runs[args] = _only_run(out)
+            runs[args] = only_run(out)
         return runs[args]
 
     return run
@@ -90,10 +81,10 @@ def test_two_processes_train_the_same_model_as_one(two_process_runs, one_process
     # The averaged gradients agree to fp32 rounding (Adam's first moment is their running mean) ...
     # (read whole, keyed as in one process, whichever ranks wrote which shards)
     moments = {k: ca["optimizer"]["state"][k]["exp_avg"] for k in ca["optimizer"]["state"]}
-    assert _max_rel(moments, {k: cb["optimizer"]["state"][k]["exp_avg"] for k in moments}) < 1e-6
+    assert max_rel(moments, {k: cb["optimizer"]["state"][k]["exp_avg"] for k in moments}) < 1e-6
     # ... and the weights too: to 1e-12 in fp64; in fp32 Adam's m / sqrt(v) magnifies the last
     # bit of near-zero gradients, so weights agree to a few 1e-6 of their largest value.
-    assert _max_rel(ca["model"], cb["model"]) < (1e-12 if precision == "fp64" else 1e-5)
+    assert max_rel(ca["model"], cb["model"]) < (1e-12 if precision == "fp64" else 1e-5)
     sa = json.loads((a / "summary.json").read_text())
     sb = json.loads((b / "summary.json").read_text())
     assert sb["processes"] == 2 and sa["processes"] == 1
@@ -124,7 +115,7 @@ def _start_and_kill_a_rank(tmp_path: Path, *extra: str, rank: int = 1,
     workers = ranks_of(proc.pid)
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[rank], sig)
-    return proc, _only_run(tmp_path), workers
+    return proc, only_run(tmp_path), workers
 
 
 def _error_line(err: str) -> str:
@@ -200,7 +191,7 @@ def test_a_sharded_checkpoint_resumes_under_other_layouts_with_the_same_weights(
               "train.precision=fp32"]  # not auto: bf16-mixed where bf16 is native, and compared to 1e-5
     whole = _kiln("train", MLP, "--nproc", "2", "parallel.zero=2", *common, f"train.output_dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-2000:]
-    run = _only_run(tmp_path / "whole")
+    run = only_run(tmp_path / "whole")
     for case, (first, then) in enumerate([
         (("parallel.zero=0",), ("--nproc", "2", "parallel.zero=1")),  # 2 processes -> 1 -> 2 (ZeRO-1)
         (("--nproc", "4", "parallel.zero=3"), ("parallel.zero=0",)),  # 2 -> 4 (ZeRO-3: FSDP2) -> 1
@@ -219,6 +210,6 @@ def test_a_sharded_checkpoint_resumes_under_other_layouts_with_the_same_weights(
         assert summary["resumed"][-1]["from"].endswith("final")
         # (train losses are logged per window, which the extra stop at step 7 cuts differently)
         a, b = load_checkpoint(run / "checkpoints" / "final"), load_checkpoint(copy / "checkpoints" / "final")
-        assert _max_rel(a["model"], b["model"]) < 1e-5
+        assert max_rel(a["model"], b["model"]) < 1e-5
         moments = {k: st["exp_avg"] for k, st in a["optimizer"]["state"].items()}
-        assert _max_rel(moments, {k: b["optimizer"]["state"][k]["exp_avg"] for k in moments}) < 1e-5
+        assert max_rel(moments, {k: b["optimizer"]["state"][k]["exp_avg"] for k in moments}) < 1e-5

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from kiln.commands import main  # noqa: E402
 from kiln.train import load_checkpoint  # noqa: E402
-from launched import kiln_here
+from launched import kiln_here, only_run
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.arange(48).reshape(3, 16) * 37 % 256  # (B, T) token ids for comparing logits
@@ -220,11 +220,6 @@ def _config(tmp_path: Path, source: Path) -> Path:
     return config
 
 
-def _only_run(folder: Path) -> Path:
-    (run,) = folder.iterdir()
-    return run
-
-
 def _model_at(checkpoint: Path, source: Path):
     """kiln's model at a checkpoint, in one process: the source's architecture with the
     checkpoint's tensors (read by load_checkpoint, not by the export under test)."""
@@ -243,7 +238,7 @@ def test_a_run_from_a_local_directory_writes_hf_that_from_pretrained_loads_as_it
 
     source = pretrained(family)
     assert main(["train", str(_config(tmp_path, source)), f"train.output_dir={tmp_path / 'runs'}"]) == 0
-    run = _only_run(tmp_path / "runs")
+    run = only_run(tmp_path / "runs")
     exported = _reference(run / "hf")
     last = _model_at(run / "checkpoints" / "final", source)
     assert torch.allclose(_logits(exported), _logits(last), rtol=0, atol=1e-5)
@@ -293,7 +288,7 @@ def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, tw
     source = pretrained(family)
     config, two = two_process_runs[case]
     assert main(["train", str(config), f"train.output_dir={tmp_path / 'one'}"]) == 0
-    one = _only_run(tmp_path / "one")
+    one = only_run(tmp_path / "one")
     exported = _reference(two / "hf")
     # the last step's model, written by the two ranks' checkpoint shards
     assert torch.allclose(_logits(exported), _logits(_model_at(two / "checkpoints" / "final", source)),
@@ -306,14 +301,14 @@ def test_a_run_in_two_processes_writes_the_same_hf_as_one_process(pretrained, tw
         for args in (["--resume", str(two)], [str(config), f"train.output_dir={tmp_path / 'straight'}"]):
             proc = kiln_here("train", *args, "--nproc", "2", *layout, "train.max_steps=5")
             assert proc.returncode == 0, proc.stderr[-3000:]
-        assert torch.equal(_logits(_reference(two / "hf")), _logits(_reference(_only_run(tmp_path / "straight") / "hf")))
+        assert torch.equal(_logits(_reference(two / "hf")), _logits(_reference(only_run(tmp_path / "straight") / "hf")))
 
 
 def test_kiln_export_writes_a_middle_steps_weights_and_refuses_in_one_line(pretrained, tmp_path, capsys,
                                                                           monkeypatch):
     source = pretrained("gpt2")
     assert main(["train", str(_config(tmp_path, source)), f"train.output_dir={tmp_path / 'runs'}"]) == 0
-    run = _only_run(tmp_path / "runs")
+    run = only_run(tmp_path / "runs")
     capsys.readouterr()
 
     out = tmp_path / "step2"
@@ -406,6 +401,6 @@ def test_from_pretrained_inside_a_users_module_still_starts_from_the_directorys_
         train = dict(max_steps=1, log_every=1, eval_every=0, progress="none", precision="fp32")
     '''))
     assert main(["train", str(config), f"train.output_dir={tmp_path / 'runs'}"]) == 0
-    final = load_checkpoint(_only_run(tmp_path / "runs") / "checkpoints" / "final")["model"]
+    final = load_checkpoint(only_run(tmp_path / "runs") / "checkpoints" / "final")["model"]
     for name, p in _reference(source).state_dict().items():
         assert torch.allclose(final[f"backbone.{name}"], p, rtol=0, atol=1e-20), name  # a random init is ~1e-2 away

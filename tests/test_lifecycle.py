@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launched import only_run
 
 from kiln.commands import main
 from kiln.train import load_checkpoint, read_metrics
@@ -16,11 +17,6 @@ from kiln.train import load_checkpoint, read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
 VIT = str(ROOT / "configs" / "digits_vit.py")
-
-
-def _only_run(folder: Path) -> Path:
-    (run,) = folder.iterdir()
-    return run
 
 
 def _summary(run: Path) -> dict:
@@ -40,7 +36,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, kill_9_at):
     assert _summary(run)["status"] == "running"  # killed mid-run: nothing marked it complete
 
     assert main(["train", "--resume", str(run)]) == 0
-    whole = _only_run(whole_dir)
+    whole = only_run(whole_dir)
     a, b = _summary(whole), _summary(run)
     assert b["status"] == "completed" and b["steps"] == 300
     assert a["final_train_loss"] == b["final_train_loss"]
@@ -60,7 +56,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, kill_9_at):
 def _short_run(tmp_path: Path, *extra: str) -> Path:
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=20",
                  "train.checkpoint_every=5", *extra]) == 0
-    return _only_run(tmp_path)
+    return only_run(tmp_path)
 
 
 def test_truncated_checkpoint_names_the_file_and_the_last_good_one(tmp_path, capsys):
@@ -122,7 +118,7 @@ def test_early_stopping_stops_records_why_and_keeps_the_best(tmp_path):
     # min_delta=10: no evaluation can improve the loss by that much, so patience runs out
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=100", "train.eval_every=5",
                  "train.early_stopping.patience=2", "train.early_stopping.min_delta=10"]) == 0
-    run = _only_run(tmp_path)
+    run = only_run(tmp_path)
     summary = _summary(run)
     assert summary["stopped_early"] is True and summary["stopped_at_step"] == 15 and summary["steps"] == 15
     assert "eval_loss" in summary["stop_reason"] and "2 evaluations" in summary["stop_reason"]
@@ -136,7 +132,7 @@ def test_early_stopping_on_accuracy_tracks_the_maximum(tmp_path):
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=60", "train.eval_every=10",
                  "train.early_stopping.metric=eval_accuracy", "train.early_stopping.mode=max",
                  "train.early_stopping.patience=100"]) == 0
-    run = _only_run(tmp_path)
+    run = only_run(tmp_path)
     accs = [float(r["eval_accuracy"]) for r in read_metrics(run) if r["eval_accuracy"]]
     summary = _summary(run)
     assert summary["stopped_early"] is False
@@ -152,7 +148,7 @@ def test_tensorboard_logger_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
     assert main(["train", MLP, f"train.output_dir={tmp_path}", "train.max_steps=10", "train.log_every=5",
                  "train.loggers=[csv,tensorboard]"]) == 0
-    events = list((_only_run(tmp_path) / "tensorboard").glob("events.out.tfevents.*"))
+    events = list((only_run(tmp_path) / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
 

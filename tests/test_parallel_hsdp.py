@@ -14,7 +14,7 @@ from kiln.config import load_config
 from kiln.errors import ConfigError
 from kiln.models import create_model
 from kiln.train import check_layout, load_checkpoint
-from launched import kiln_here
+from launched import kiln_here, max_rel, only_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "configs" / "digits_mlp.yaml")
@@ -74,15 +74,6 @@ _COMMON = ["train.max_steps=10", "train.checkpoint_every=5", "train.log_every=5"
            "train.precision=fp32"]
 
 
-def _only_run(folder: Path) -> Path:
-    (run,) = folder.iterdir()
-    return run
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The HSDP 2 x 2 run (checkpoints at steps 5 and 10) and the one-process run of the same config."""
@@ -92,13 +83,13 @@ def runs(tmp_path_factory):
     assert hsdp.returncode == 0, hsdp.stderr[-2000:]
     one = kiln_here("train", MLP, *_COMMON, f"train.output_dir={out / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
-    return _only_run(out / "hsdp"), _only_run(out / "one")
+    return only_run(out / "hsdp"), only_run(out / "one")
 
 
 def _compare(a: Path, b: Path) -> tuple[float, float]:
     ca, cb = load_checkpoint(a / "checkpoints" / "final"), load_checkpoint(b / "checkpoints" / "final")
     moments = {k: st["exp_avg"] for k, st in ca["optimizer"]["state"].items()}
-    return _max_rel(ca["model"], cb["model"]), _max_rel(moments, {k: cb["optimizer"]["state"][k]["exp_avg"]
+    return max_rel(ca["model"], cb["model"]), max_rel(moments, {k: cb["optimizer"]["state"][k]["exp_avg"]
                                                                    for k in moments})
 
 

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kiln.errors import ConfigError
 from kiln.models import find_plan
@@ -223,8 +224,6 @@ def _fused_softmax_grad(h: torch.Tensor, group: Any) -> Any:
     :data:`FUSED_DEVICES`, whole over the vocabulary, and outside a dispatch mode (the FLOP count,
     kiln plan's trace: dynamo meeting one compiles the mode's handler instead); else None, and
     the chunk takes the eager path."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     if h.device.type not in FUSED_DEVICES or group is not None or _get_current_dispatch_mode() is not None:
         return None
     if not _COMPILED:
