@@ -22,8 +22,6 @@ def test_bench_checkpoint_quick(tmp_path):
         assert 0 < r[mode]["call"] < r[mode]["window"]
         # the CPU a save added: the window's, every thread of the process, less as many plain steps'
         assert r[mode]["cpu_added"] == pytest.approx(r[mode]["cpu"] - report["steps"] * r["step_cpu"])
-    # writing 38 MiB costs CPU time, far more than the steps' CPU time varies by
-    assert r["sync"]["cpu_added"] > 0.02
     # the training thread's CPU time over its wall time: a share of one core (one training thread)
     assert 0 < r["core_share"] <= 1.05 and report["core_share"] == r["core_share"]
     assert r["sync"]["waited"] < 0.01  # nothing left to wait for after a save that wrote its files
