@@ -69,8 +69,8 @@ from torch import nn
 from kiln.errors import did_you_mean
 from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, model_plan, models_with
 
-__all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "unit_costs", "schedule_bubble", "stage_ranges",
-           "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline", "Pipeline"]
+__all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "unit_costs", "schedule_bubble",
+           "stage_ranges", "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline", "Pipeline"]
 
 
 @dataclass(frozen=True)
