@@ -1,7 +1,7 @@
 """``kiln bench pp-schedules`` in its quick form (a small GPT, pp=2, two timed rounds) through
 the benchmark's own ``run``: a row per schedule with its stages, its theoretical bubble (torch's
-order at unit costs), each rank's measured idle share and the step time; the numbers a wrong
-placement or a wrong measurement would change."""
+order at unit costs and at the measured CPU cost of each pass), each rank's measured idle share
+and the step time; the numbers a wrong placement or a wrong measurement would change."""
 
 from __future__ import annotations
 
@@ -43,4 +43,18 @@ def test_a_row_per_schedule_with_its_theory_and_measured_idle(report):
         # the step with the optimizer lasts at least the pipeline's, which lasts longer than nothing
         assert 0 < r["pipeline_ms"] <= r["step_ms"] * 1.05
     assert rows["1f1b"]["step_vs_1f1b"] == pytest.approx(1.0)
+    # each pass's CPU time, by stage and kind: whole backwards for 1F1B, input and weight passes
+    # apart for the zero-bubble ones, where the first stage's input pass is empty and its weight
+    # pass the whole backward (torch's way)
+    assert set(rows["1f1b"]["pass_cpu_ms"]) == {"F0", "B0", "F1", "B1"}
+    assert set(rows["interleaved-zb"]["pass_cpu_ms"]) == {f"{k}{s}" for k in "FIW" for s in range(4)}
+    for name in ("interleaved-zb", "zbv"):
+        cpu = rows[name]["pass_cpu_ms"]
+        assert cpu["I0"] < cpu["W0"] / 5 and cpu["I1"] > cpu["W0"] / 5, (name, cpu)
+    for r in rows.values():
+        assert len(r["bubble_costs_per_rank"]) == 2 and all(0 <= b < 1 for b in r["bubble_costs_per_rank"])
+        # the passes' CPU time, ordered as the schedule orders them, fits in the pipeline's wall time
+        assert 0 < r["cpu_step_ms"] <= r["pipeline_ms"] * 1.05
+        if r["descheduled_per_rank"] is not None:  # Linux
+            assert all(0 <= d < 1 for d in r["descheduled_per_rank"])
     assert set(report["targets"]) == {f"{n}_idle_vs_1f1b" for n in ("interleaved-zb", "zbv", "dualpipev")}

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import kiln.optim as ko
 from kiln.models import create_model
 from kiln.parallel._pp import (_torch_order, build_pipeline, check_pipeline, cut_stage, schedule_bubble, stage_ranges,
-                              stage_ranks)
+                              stage_ranks, unit_costs)
 from kiln.launch.testing import run_distributed
 from kiln.parallel._zero import all_reduce_gradients
 
@@ -357,6 +357,27 @@ def test_schedule_bubble_textbook_numbers():
     assert schedule_bubble("interleaved-1f1b", 2, 4) == pytest.approx([1 / 9, 1 / 9])
     for zb in ("interleaved-zb", "zbv", "dualpipev"):
         assert schedule_bubble(zb, 2, 4) == pytest.approx([1 / 25, 1 / 25]), zb
+
+
+def test_schedule_bubble_with_given_costs():
+    """Each (stage, pass) at its own cost: 1F1B at pp=2, m=2 with the second stage twice as slow.
+    Rank 1 runs F0 [1, 3], B0 [3, 7], F1 [7, 9], B1 [9, 13]; rank 0 F0, F1 [0, 2], then waits for
+    each input gradient: B0 [7, 9], B1 [13, 15]. Busy 6 and 12 of 15."""
+    costs = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 2.0, (1, "B"): 4.0}
+    assert schedule_bubble("1f1b", 2, 2, costs=costs) == pytest.approx([9 / 15, 3 / 15])
+    # the same costs scaled: the same shares; the unit costs given explicitly: the default
+    assert schedule_bubble("1f1b", 2, 2, costs={k: 3 * c for k, c in costs.items()}) == pytest.approx([0.6, 0.2])
+    for zb in ("interleaved-zb", "zbv"):
+        assert schedule_bubble(zb, 2, 8, costs=unit_costs(zb, 2)) == schedule_bubble(zb, 2, 8)
+    # torch's first stage: no input gradient to hand on, its whole backward in the weight pass
+    assert unit_costs("zbv", 2)[(0, "I")] == 0 and unit_costs("zbv", 2)[(0, "W")] == 2
+    assert unit_costs("zbv", 2)[(3, "I")] == unit_costs("zbv", 2)[(3, "W")] == 1
+    # a split backward that costs more than a whole one (torch's I + W on CPU: about x1.25), on
+    # every stage but the first: interleaved-zb's rank 0 (stages 0 and 2) then waits on rank 1
+    # (stages 1 and 3, both split), while its unit-cost bubble is the same on both ranks
+    dear = {k: (1.25 * c if k[1] in "IW" and k[0] != 0 else c) for k, c in unit_costs("interleaved-zb", 2).items()}
+    idle = schedule_bubble("interleaved-zb", 2, 8, costs=dear)
+    assert idle[0] > 2 * idle[1] and idle[0] > schedule_bubble("interleaved-zb", 2, 8)[0]
 
 
 def test_fsdp2_with_a_split_backward_is_refused_before_building():

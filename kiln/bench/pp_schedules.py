@@ -27,10 +27,21 @@ infers the stages' shapes), then ``ROUNDS`` timed ones. Columns, per schedule:
 - mean idle: the ranks' mean; step ms: the median wall time of the pipeline step (the slowest
   rank's ``Pipeline.step``), and of the whole training step with the optimizer, rank 0's
   clock between barriers; vs 1f1b: the step time over 1F1B's, each round's ratio, median.
+- bubble (costs): the idle share :func:`~kiln.parallel._pp.schedule_bubble` gives when each
+  ``(stage, pass)`` of torch's order takes the CPU time it took here (the median over the timed
+  steps, ``Pipeline.last_step_timing["pass_cpu_s"]``) instead of one unit, communication still
+  none; ranks' mean, each rank's in the JSON. Unlike the measured idle it does not depend on
+  what else runs on the machine, and unlike the unit theory it has the real passes: the
+  first stage's input pass empty and its weight pass a whole backward (torch's way), the
+  input/weight split costing more than a whole backward, stages of unequal cost. cpu ms: the
+  step that order takes at those costs.
+- descheduled: the share of the pipeline step the ranks were ready to run but waiting for a
+  core (``run_delay`` of ``/proc/thread-self/schedstat``, Linux; ranks' mean). Above a few
+  percent, other processes set the measured idle more than the schedule does: a rank's pass
+  is stretched while another process has its core, and its peer waits for it.
 
-On a 2-core machine two ranks of one thread each have a core each while no other work runs;
-other agents' work on the same cores lengthens compute and idle alike (the load is in the
-report's machine line).
+Two ranks of one thread each on a 2-core machine have a core each only while no other work
+runs (the load is in the report's machine line).
 
     kiln bench pp-schedules        # or --quick for a smoke run
 """
@@ -63,6 +74,16 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # (B*T, V), (B*T,)
 
 
+def _run_delay_s() -> float | None:
+    """Seconds this thread has been ready to run but waiting for a core (Linux's schedstat;
+    None where there is none)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _worker(rank: int, world: int, schedules: list[str], s: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -80,14 +101,15 @@ def _worker(rank: int, world: int, schedules: list[str], s: dict[str, Any]) -> d
         for name in schedules:
             pipe, opt = runs[name]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, delay0 = time.perf_counter(), _run_delay_s()
             pipe.step(ids, targets)
+            delay = None if delay0 is None else _run_delay_s() - delay0
             opt.step()
             opt.zero_grad()
             dist.barrier()
             step_s = time.perf_counter() - t0
             if round_ >= s["warmup"]:
-                out[name].append({"step_s": step_s, **pipe.last_step_timing})
+                out[name].append({"step_s": step_s, "delay_s": delay, **pipe.last_step_timing})
     return {"rank": rank, "steps": out}
 
 
@@ -97,12 +119,37 @@ def _row(name: str, ranks: list[dict[str, Any]], s: dict[str, Any]) -> dict[str,
     walls = [max(rank[i]["wall_s"] for rank in steps) for i in range(len(steps[0]))]  # the pipeline's step
     idle = [statistics.median(1 - st["compute_s"] / w for st, w in zip(rank, walls)) for rank in steps]
     theory = schedule_bubble(name, pp, m)
+    # each (stage, pass)'s median CPU seconds over the timed steps (a stage lives on one rank)
+    costs = {key: statistics.median(t for st in rank for t in st["pass_cpu_s"].get(key, ()))
+             for rank in steps for key in rank[0]["pass_cpu_s"]}
+    with_costs = schedule_bubble(name, pp, m, costs=costs)
+    # one step's CPU seconds of compute on rank 0 at those costs, over its busy share: the step's length
+    busy0 = sum(costs[key] * len(times) for key, times in steps[0][0]["pass_cpu_s"].items())
+    delays = None if steps[0][0]["delay_s"] is None else [
+        statistics.median(st["delay_s"] / st["wall_s"] for st in rank) for rank in steps]
     return {"schedule": name, "stages": len(stage_ranks(pp, name)),
             "pp": pp, "microbatches": m, "zero_bubble": name in SPLIT_BACKWARD,
-            "bubble_theory": sum(theory) / pp, "bubble_theory_per_rank": theory, "idle_per_rank": idle,
+            "bubble_theory": sum(theory) / pp, "bubble_theory_per_rank": theory,
+            "bubble_costs": sum(with_costs) / pp, "bubble_costs_per_rank": with_costs,
+            "pass_cpu_ms": {f"{kind}{stage}": c * 1e3 for (stage, kind), c in sorted(costs.items())},
+            "cpu_step_ms": busy0 / (1 - with_costs[0]) * 1e3,
+            "descheduled_per_rank": delays, "descheduled": None if delays is None else sum(delays) / pp,
+            "idle_per_rank": idle,
             "idle_mean": sum(idle) / pp, "pipeline_ms": statistics.median(walls) * 1e3,
             "step_ms": statistics.median(st["step_s"] for st in steps[0]) * 1e3,
             "step_s_rounds": [st["step_s"] for st in steps[0]]}
+
+
+def _split_cost(rows: list[dict[str, Any]]) -> float | None:
+    """``(I + W) / B`` of the same stage, interleaved-zb's passes over interleaved-1f1b's (the
+    same loop placement and cut), mean over the stages but the first (whose input pass torch
+    leaves empty); None unless both ran."""
+    by = {r["schedule"]: r["pass_cpu_ms"] for r in rows}
+    if "interleaved-zb" not in by or "interleaved-1f1b" not in by:
+        return None
+    zb, whole = by["interleaved-zb"], by["interleaved-1f1b"]
+    ratios = [(zb[f"I{s}"] + zb[f"W{s}"]) / whole[f"B{s}"] for s in range(1, 2 * PP)]
+    return sum(ratios) / len(ratios)
 
 
 def settings_for(quick: bool) -> dict[str, Any]:
@@ -131,10 +178,12 @@ def measure(quick: bool = False, *, settings: dict[str, Any] | None = None,
     cols = [Col("schedule", "schedule"), Col("stages", "stages"), Col("bubble (theory)", "bubble_theory", ".3f"),
             *[Col(f"rank {i} idle", lambda r, i=i: r["idle_per_rank"][i], ".3f") for i in range(PP)],
             Col("mean idle", "idle_mean", ".3f"), Col("pipeline ms", "pipeline_ms", ".1f"),
-            Col("step ms", "step_ms", ".1f"), Col("vs 1f1b", "step_vs_1f1b", ".2f")]
+            Col("step ms", "step_ms", ".1f"), Col("vs 1f1b", "step_vs_1f1b", ".2f"),
+            Col("bubble (costs)", "bubble_costs", ".3f"), Col("cpu ms", "cpu_step_ms", ".1f"),
+            Col("descheduled", "descheduled", ".2f")]
     chart = [Bars("idle share of a step: measured per rank, and the schedule's theory", rows, "schedule",
                   {**{f"rank {i}": (lambda r, i=i: r["idle_per_rank"][i]) for i in range(PP)},
-                   "theory": "bubble_theory"}, "idle share"),
+                   "theory": "bubble_theory", "at measured costs": "bubble_costs"}, "idle share"),
              Bars("step time, ms", rows, "schedule", {"pipeline": "pipeline_ms", "with optimizer": "step_ms"}, "ms")]
     targets, notes = {}, []
     if base is not None:
@@ -142,12 +191,21 @@ def measure(quick: bool = False, *, settings: dict[str, Any] | None = None,
             if r["zero_bubble"]:
                 # the goal: a zero-bubble schedule idles less than 1F1B at the same stages and micro-batches
                 targets[f"{r['schedule']}_idle_vs_1f1b"] = target(r["idle_mean"], base["idle_mean"], row=r["schedule"])
+        for r in rows:
+            if r["zero_bubble"]:
+                notes.append(f"{r['schedule']} at the passes' measured CPU costs: bubble {r['bubble_costs']:.3f} "
+                             f"against 1f1b's {base['bubble_costs']:.3f}, a step of {r['cpu_step_ms']:.0f} ms "
+                             f"against {base['cpu_step_ms']:.0f}")
         best = min((r for r in rows if r["zero_bubble"]), key=lambda r: r["idle_mean"], default=None)
         if best is not None:
             notes.append(f"lowest measured idle of the zero-bubble schedules: {best['schedule']} "
                          f"{best['idle_mean']:.3f} against 1f1b's {base['idle_mean']:.3f} "
                          f"(theory {best['bubble_theory']:.3f} against {base['bubble_theory']:.3f}); "
                          f"its step x{best['step_vs_1f1b']:.2f} of 1f1b's")
+    split = _split_cost(rows)
+    if split is not None:
+        notes.append(f"a stage's input and weight passes (interleaved-zb) cost x{split:.2f} the CPU time of its "
+                     "whole backward (interleaved-1f1b, the same 4 stages), mean over the stages but the first")
     report = {"setup": {**s, "pp": PP, "threads_per_process": 1, "backend": "gloo", "optimizer": "kiln AdamW fp32",
                         "quick": quick}, "rows": rows}
     title = (f"pipeline schedules at pp={PP}, m={s['microbatches']} micro-batches of {s['batch'] // s['microbatches']} "

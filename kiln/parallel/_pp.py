@@ -69,8 +69,8 @@ from torch import nn
 from kiln.errors import did_you_mean
 from kiln.models import ParallelPlan, PipelinePlan, families_with, find_plan, model_plan, models_with
 
-__all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "schedule_bubble", "stage_ranges",
-           "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline", "Pipeline"]
+__all__ = ["SCHEDULES", "PP_SCHEDULES", "SPLIT_BACKWARD", "stage_ranks", "unit_costs", "schedule_bubble",
+           "stage_ranges", "check_pipeline", "cut_stage", "stage_of_parameters", "build_pipeline", "Pipeline"]
 
 
 @dataclass(frozen=True)
@@ -183,23 +183,39 @@ def _compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: in
 
 
 _UNIT_COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # a full backward is the input's and the weights' parts
+_PASSES = tuple(_UNIT_COST)
 
 
-def schedule_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> list[float]:
+def unit_costs(schedule: str, pp: int, virtual_stages: int = 2) -> dict[tuple[int, str], float]:
+    """``{(stage, pass): time}`` of the zero-bubble paper's unit model (F = I = W = 1, a full
+    backward B = 2), as torch 2.13 runs the passes: the first stage has no input gradient to
+    hand on, so its input pass does nothing and its weight pass runs the whole backward
+    (``PipelineStage.backward_weight_one_chunk`` at stage 0): I = 0, W = 2 there."""
+    n = _num_stages(pp, _check_schedule(schedule), virtual_stages)
+    costs = {(s, kind): c for s in range(n) for kind, c in _UNIT_COST.items()}
+    costs[(0, "I")], costs[(0, "W")] = 0.0, 2.0
+    return costs
+
+
+def schedule_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2,
+                    costs: dict[tuple[int, str], float] | None = None) -> list[float]:
     """Each pp rank's idle share of one step of ``schedule`` as torch orders it: the textbook
-    bubble, computed rather than quoted. Every stage's forward, input-gradient and weight-gradient
-    work on one micro-batch takes one unit of time (a full backward two: the zero-bubble paper's
-    F = B = W), communication none; each rank runs its actions in torch's order, each as soon as
-    the rank is free and what it needs is done (a forward: the previous stage's forward; an input
-    gradient: the next stage's, or the forward on the last stage; a weight gradient: its own
-    input gradient). The step lasts until the last rank finishes; a rank's idle share is
-    ``1 - its busy time / that``, what ``kiln bench parallel`` measures.
+    bubble, computed rather than quoted. By default every stage's forward, input-gradient and
+    weight-gradient work on one micro-batch takes one unit of time (a full backward two: the
+    zero-bubble paper's F = B = W; :func:`unit_costs`), communication none; ``costs`` gives
+    instead each ``(stage, pass)``'s own time (``pass`` one of ``F``, ``I``, ``W``, ``B``; e.g.
+    measured, ``kiln bench pp-schedules``). Each rank runs its actions in torch's order, each
+    as soon as the rank is free and what it needs is done (a forward: the previous stage's
+    forward; an input gradient: the next stage's, or the forward on the last stage; a weight
+    gradient: its own input gradient). The step lasts until the last rank finishes; a rank's
+    idle share is ``1 - its busy time / that``, what ``kiln bench parallel`` measures.
 
         >>> [round(b, 3) for b in schedule_bubble("1f1b", 2, 4)]   # (p - 1) / (m + p - 1)
         [0.2, 0.2]
     """
     order = _compute_order(schedule, pp, microbatches, virtual_stages)
     last = _num_stages(pp, _check_schedule(schedule), virtual_stages) - 1
+    cost = unit_costs(schedule, pp, virtual_stages) if costs is None else costs
     done: dict[tuple[int, str, int], float] = {}  # (stage, "F" | "in" (input gradient) | "W", mb) -> end
     clock, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
 
@@ -219,8 +235,8 @@ def schedule_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: i
                 need = needs(stage, kind, mb)
                 if need is not None and need not in done:
                     break
-                clock[r] = max(clock[r], done[need] if need is not None else 0.0) + _UNIT_COST[kind]
-                busy[r] += _UNIT_COST[kind]
+                clock[r] = max(clock[r], done[need] if need is not None else 0.0) + cost[(stage, kind)]
+                busy[r] += cost[(stage, kind)]
                 done[(stage, "in" if kind in ("I", "B") else kind, mb)] = clock[r]
                 at[r] += 1
                 moved = True
@@ -470,43 +486,50 @@ _TIMED_STAGE: type | None = None
 
 def _timed_stage_class() -> type:
     """PipelineStage that adds up the time spent in this rank's forward and backward compute
-    (what is not that, within a step, is bubble and communication). Defined on first use
-    because importing torch.distributed.pipelining takes about a second."""
+    (what is not that, within a step, is bubble and communication), and each pass's CPU time
+    by kind (``pass_cpu_s``). Defined on first use because importing
+    torch.distributed.pipelining takes about a second."""
     global _TIMED_STAGE
     if _TIMED_STAGE is None:
         from torch.distributed.pipelining import PipelineStage
 
-        def timed(method: Callable) -> Callable:
+        def timed(method: Callable, kind: str) -> Callable:
             def run(self: Any, *args: Any, **kwargs: Any) -> Any:
                 if self.compute_s is None:
                     return method(self, *args, **kwargs)
                 _sync(self.device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return method(self, *args, **kwargs)
                 finally:
                     _sync(self.device)
                     self.compute_s += time.perf_counter() - t0
+                    # CPU time as well as wall time: on a shared machine the wall time of a pass
+                    # also counts the time the OS gave this rank's core to other processes
+                    full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)  # (chunk, loss, full)
+                    name = "I" if kind == "B" and not full else kind
+                    self.pass_cpu_s.setdefault(name, []).append(time.thread_time() - c0)
 
             return run
 
-        weight_pass = timed(PipelineStage.backward_weight_one_chunk)
+        def weight_pass(self: Any, bwd_chunk_id: int, last_backward: bool = False) -> None:
+            # torch's weight pass (the zero-bubble schedules' W) adds its gradients to p.grad
+            # by hand after torch.autograd.grad, so autograd's post-accumulate-grad hooks never
+            # fire: kiln's arena optimizer, which learns from them which parameters got a
+            # gradient, would skip every one of them in its step. Fire them as autograd would
+            # (timed with the pass: it is weight-pass work, about 2% of it on a 2-block GPT stage).
+            reached = _weight_pass_parameters(self, bwd_chunk_id)
+            PipelineStage.backward_weight_one_chunk(self, bwd_chunk_id, last_backward=last_backward)
+            for p in reached:
+                for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
+                    hook(p)
 
         class _TimedStage(PipelineStage):
             compute_s: float | None = None  # None: not timed (build_pipeline(timing=False))
-            forward_one_chunk = timed(PipelineStage.forward_one_chunk)
-            backward_one_chunk = timed(PipelineStage.backward_one_chunk)
-
-            def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-                # torch's weight pass (the zero-bubble schedules' W) adds its gradients to p.grad
-                # by hand after torch.autograd.grad, so autograd's post-accumulate-grad hooks never
-                # fire: kiln's arena optimizer, which learns from them which parameters got a
-                # gradient, would skip every one of them in its step. Fire them as autograd would.
-                reached = _weight_pass_parameters(self, bwd_chunk_id)
-                weight_pass(self, bwd_chunk_id, last_backward=last_backward)
-                for p in reached:
-                    for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
-                        hook(p)
+            pass_cpu_s: dict[str, list[float]]  # "F" | "B" | "I" | "W" -> each such pass's CPU seconds
+            forward_one_chunk = timed(PipelineStage.forward_one_chunk, "F")
+            backward_one_chunk = timed(PipelineStage.backward_one_chunk, "B")
+            backward_weight_one_chunk = timed(weight_pass, "W")
 
         _TIMED_STAGE = _TimedStage
     return _TIMED_STAGE
@@ -570,9 +593,13 @@ class Pipeline:
             (``pp - 1``; 0 for the V-shaped schedules, whose last stage comes back to rank 0).
         pp_group / dp_group: the pipeline and data-parallel process groups (dp_group is None
             without data parallelism).
-        last_step_timing: after each :meth:`step`, ``{"wall_s", "compute_s", "bubble"}``:
-            seconds of the schedule run, seconds this rank spent in stage forward/backward
-            compute (None unless built with ``timing=True``), and ``1 - compute_s / wall_s``.
+        last_step_timing: after each :meth:`step`, ``{"wall_s", "compute_s", "bubble",
+            "pass_cpu_s"}``: seconds of the schedule run, seconds this rank spent in stage
+            forward/backward compute (None unless built with ``timing=True``),
+            ``1 - compute_s / wall_s``, and ``{(stage, pass): [CPU seconds of each such pass]}``
+            with pass ``F``, ``B`` (full backward), ``I`` or ``W`` (input and weight gradients
+            apart): the calling thread's CPU time, all of a pass's on the CPU with one intra-op
+            thread, and not counting time the OS gave the core to other processes.
             The first step with a new batch shape also runs torch's shape inference; skip it
             when measuring.
     """
@@ -620,6 +647,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         for stage in runner.stages:
             stage.compute_s = 0.0 if self.timing else None
+            stage.pass_cpu_s = {}
         t0 = time.perf_counter()
         target = targets.to(self.device) if self.is_last else None
         runner.schedule.step(*self._args(inputs), target=target, losses=losses, return_outputs=False)
@@ -628,7 +656,9 @@ class Pipeline:
         wall = time.perf_counter() - t0
         compute = sum(s.compute_s for s in runner.stages) if self.timing else None
         self.last_step_timing = {"wall_s": wall, "compute_s": compute,
-                                 "bubble": None if compute is None else max(0.0, 1.0 - compute / wall)}
+                                 "bubble": None if compute is None else max(0.0, 1.0 - compute / wall),
+                                 "pass_cpu_s": {(s.stage_index, kind): times for s in runner.stages
+                                                for kind, times in s.pass_cpu_s.items()} if self.timing else None}
         if self.is_last:
             # each micro-batch loss is already divided by M (see _ScaledLoss): their sum is the mean
             loss = torch.stack([x.detach().double() for x in losses]).sum()  # fp64: exact in fp64 runs
