@@ -32,7 +32,8 @@ def step_arenas(opt: Any) -> None:
     packing.sync(check_fresh=True)
     flags = packing.flags
     for pack in packing.packs:  # (refused before anything steps)
-        _fused_complex_check(opt, pack, flags[pack.s0:pack.s1])
+        if pack.arena.dtype.is_complex:
+            _fused_complex_check(opt, pack, flags[pack.s0:pack.s1])
     for pack in packing.packs:
         recv = flags[pack.s0:pack.s1]
         group = opt.param_groups[pack.group]
