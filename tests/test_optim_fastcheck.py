@@ -188,3 +188,43 @@ def test_common_training_step_takes_the_o1_path(monkeypatch, cls, kw):
     opt.step()
     assert not torch.equal(before, m[0].bias.detach())
     assert m[0].bias.grad.data_ptr() == opt.arenas[0].gviews[1].data_ptr()
+
+
+def test_one_add_counts_every_arenas_steps_and_a_failed_update_counts_none_from_it_on(monkeypatch):
+    """The common step counts the step of every arena (here two parameter groups) with one add
+    over ``Packing.steps``, of which each arena's counts are a slice; training and the exposed
+    counts stay torch's, and an arena whose update fails keeps its count, as do those after it."""
+    models = [make_model(), make_model()]
+    groups = [lambda m: [{"params": [p for p in m.parameters() if p.ndim > 1]},
+                         {"params": [p for p in m.parameters() if p.ndim <= 1], "weight_decay": 0.0}]] * 2
+    ref = torch.optim.AdamW(groups[0](models[0]), lr=1e-2, weight_decay=0.1, fused=True)  # the same kernel
+    opt = ko.AdamW(groups[1](models[1]), lr=1e-2, weight_decay=0.1)
+    assert len(opt.packing.packs) == 2
+    for _ in range(3):
+        for m, o in zip(models, (ref, opt)):
+            o.zero_grad()
+            backward(m, o)
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+        assert float(ref.state[a]["step"]) == float(opt.state[b]["step"]) == 3.0
+    packs = opt.packing.packs
+    assert all(pk.step_vec.data_ptr() == opt.packing.steps[pk.s0:pk.s1].data_ptr() for pk in packs)
+
+    calls = []
+    update = ko.AdamW._update_flat
+
+    def second_fails(self, rng, group, step):
+        calls.append(rng.pack)
+        if rng.pack is packs[1]:
+            raise RuntimeError("update failed")
+        return update(self, rng, group, step)
+
+    monkeypatch.setattr(ko.AdamW, "_update_flat", second_fails)
+    opt.zero_grad()
+    backward(models[1], opt)
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.step()
+    assert calls == packs  # the first arena stepped, the second failed
+    assert opt.packing.steps.tolist() == [4.0] * packs[0].s1 + [3.0] * (packs[1].s1 - packs[1].s0)
+    assert (packs[0].step, packs[1].step) == (4, 3)

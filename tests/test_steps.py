@@ -179,3 +179,69 @@ def test_the_schedule_steps_as_torch_lambdalr_does(schedule, tensor_lr):
     assert len(seen) == 2 if schedule == "constant" else len(seen) > 15  # the warm-up (and decay) really ran
     mine, theirs = ours.state_dict(), torch_s.state_dict()
     assert mine["last_epoch"] == theirs["last_epoch"] == 25 and mine["_step_count"] == theirs["_step_count"]
+
+
+def test_a_constant_schedule_writes_the_rates_until_settled_and_again_after_a_load():
+    """Past its warm-up a constant schedule's step only counts (the rates hold base * 1.0); the
+    state dict keeps torch's keys, and a loaded schedule writes the rates at its next step, so a
+    resumed run never keeps a rate the optimizer held before the load."""
+    from omegaconf import OmegaConf
+    from torch.optim import lr_scheduler
+
+    from kiln.train._build import build_scheduler
+
+    cfg = OmegaConf.create(dict(schedule="constant", warmup_steps=3, min_lr_ratio=0.1, lr=1e-3))
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1e-3)
+    ours = build_scheduler(cfg, opt, 20)
+    theirs = lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3), ours.lr_lambdas[0])
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    for _ in range(6):
+        opt.step()
+        ours.step()
+    assert opt.param_groups[0]["lr"] == 1e-3 and ours._settled
+    opt.param_groups[0]["lr"] = 5.0  # what an optimizer loaded from elsewhere might hold
+    ours.step()
+    assert opt.param_groups[0]["lr"] == 5.0  # settled: the step only counts
+    ours.load_state_dict(ours.state_dict())
+    ours.step()
+    assert opt.param_groups[0]["lr"] == 1e-3 and ours.last_epoch == 8
+
+
+def test_the_log_windows_loss_is_the_fp64_sum_in_step_order_bit_for_bit():
+    """The loop hands each step's loss to the meter as a tensor; the window's sum, taken at the
+    log step (and past the fold every 256 steps), is bit for bit that of adding each loss into an
+    fp64 tensor in step order, and so is the checkpoint's."""
+    from kiln.train._setup import Meter
+
+    g = torch.Generator().manual_seed(0)
+    # an fp64 run's losses, of magnitudes from 1e-6 to 1e6: a sum in another order rounds differently
+    scale = 10.0 ** torch.randint(-6, 7, (300,), generator=g, dtype=torch.float64)
+    losses = list(torch.randn(300, generator=g, dtype=torch.float64) * scale)
+    meter, ref = Meter(torch.device("cpu")), torch.zeros((), dtype=torch.float64)
+    for loss in losses:
+        meter.add_loss(loss)
+        ref += loss
+    assert meter.window_steps == 300 and len(meter.window_pending) == 300 - 256
+    assert meter.window_sum() == ref.item()
+    assert meter.window_mean(1) == (ref / 300).item()
+    assert meter.state_dict()["window"] == {"loss": ref.item(), "steps": 300}
+    assert sum(float(x) for x in sorted(losses, key=abs)) != ref.item()  # (the order does matter here)
+    fp32 = Meter(torch.device("cpu"))  # fp32 losses, as most runs give them, summed in fp64
+    for loss in losses[:10]:
+        fp32.add_loss(loss.float())
+    assert fp32.window_sum() == sum((x.float().double() for x in losses[:10]), torch.zeros((), dtype=torch.float64)).item()
+    meter.close_window()
+    assert (meter.window_sum(), meter.window_steps, meter.window_pending) == (0.0, 0, [])
+
+
+def test_a_batch_already_on_its_device_is_passed_through_and_others_are_moved():
+    from kiln.train._tasks import to_device
+
+    x, y = torch.randn(4, 3), torch.arange(4)
+    batch = [x, y]
+    assert to_device(batch, torch.device("cpu"), torch.float32) is batch  # no new container a step
+    moved = to_device((x, y), torch.device("cpu"), torch.float64)
+    assert type(moved) is tuple and moved[0].dtype == torch.float64 and moved[1] is y
+    assert torch.equal(moved[0], x.double())
+    assert to_device({"a": x}, torch.device("cpu"), torch.float32) == {"a": x}

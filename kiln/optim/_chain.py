@@ -104,7 +104,13 @@ class Chain(NamedTuple):
 
     def state_names(self, group: Group) -> tuple[str, ...]:
         """The state buffers the chain keeps for a group with these hyperparameters."""
-        return tuple(name for t in self.transforms for name in t.state(group))
+        # (asked for by every step of every arena: a plain loop over the transforms that keep
+        # state, not a generator over all of them)
+        names: tuple[str, ...] = ()
+        for t in self.transforms:
+            if t.state is not _keeps_nothing:
+                names += t.state(group)
+        return names
 
     def hyper(self, group: Group, step: int, space: Space) -> tuple[dict[str, Any], ...]:
         """Each transform's hyperparameters for step number ``step`` (1 at the first step)."""

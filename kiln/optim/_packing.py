@@ -116,7 +116,8 @@ class Pack:
 
     The update rules see a pack only through :class:`FlatRange`."""
 
-    def __init__(self, arena: Arena | ArenaSlice, group: int, params: list[torch.Tensor], s0: int) -> None:
+    def __init__(self, arena: Arena | ArenaSlice, group: int, params: list[torch.Tensor], s0: int,
+                 step_vec: torch.Tensor | None = None) -> None:
         self.arena, self.group, self.params = arena, group, params
         self.s0, self.s1 = s0, s0 + len(params)
         # What p.grad must be, per slot (see Packing.sync): a view of the flat gradient that
@@ -134,7 +135,8 @@ class Pack:
         self.puse = -1
         self.state: dict[str, torch.Tensor] = {}          # name -> (N,) flat state
         self.sviews: dict[str, list[torch.Tensor]] = {}   # name -> per-param views
-        self.step_vec = torch.zeros(len(params), dtype=torch.float32)  # CPU, like torch's 'step'
+        # CPU, like torch's 'step'; a view of Packing.steps, which counts every arena's at once
+        self.step_vec = torch.zeros(len(params), dtype=torch.float32) if step_vec is None else step_vec
         self.uniform = True      # all entries of step_vec equal ...
         self.step = 0            # ... to this Python int (no tensor read per step)
         self.init = [False] * len(params)
@@ -285,12 +287,16 @@ class Packing:
             plan.extend((gi, ps) for ps in buckets.values())
         nslots = sum(len(ps) for _, ps in plan)
         self.flags = flags = bytearray(nslots + 1)
+        self.all_set = b"\x01" * (nslots + 1)  # flags when every parameter received a gradient
+        # every parameter's step count, one slot each: each pack's step_vec is its slice, so
+        # that the common step counts all arenas with one add (see step_arenas)
+        self.steps = torch.zeros(nslots, dtype=torch.float32)
         self.packs, slot = [], 0
         with torch.no_grad():
             for gi, ps in plan:
                 grads = [p.grad for p in ps]
                 arena = Arena(ps, self.shard_multiple)
-                pack = Pack(arena, gi, ps, slot)
+                pack = Pack(arena, gi, ps, slot, self.steps[slot:slot + len(ps)])
                 for i, (p, g) in enumerate(zip(ps, grads)):
                     if g is not None:
                         arena.gviews[i].copy_(g)
@@ -425,23 +431,24 @@ class Packing:
         pack.rewatch(self.flags)
         return foreign
 
-    @torch.no_grad()
     def zero_grad(self, set_to_none: bool, shards: Iterable[Pack] = ()) -> None:
         """One memset per arena (and per shard gradient of its own). With set_to_none=True the
         gradient views stay in place (reading as zeros) but every parameter counts as having
         no gradient until autograd delivers one, so parameters outside the next backward are
-        not updated."""
+        not updated. Outside ``torch.no_grad``, which costs a small model's step as much host
+        time as the memsets: no flat gradient requires grad. Views are relinked inside it."""
         check = self.dirty[1]  # O(1) unless a gradient may have been reassigned
         for pack in self.packs:
             # a gradient assigned by hand since the last step would otherwise be accumulated into
             if (check or pack.frozen) and not pack.grads_intact():
-                for i, p in enumerate(pack.params):
-                    e = pack.expected_grad(i)
-                    if p.grad is not e:
-                        if e is _DEAD:
-                            self.link_grad(pack, i, force=True)
-                        else:
-                            p.grad = e
+                with torch.no_grad():
+                    for i, p in enumerate(pack.params):
+                        e = pack.expected_grad(i)
+                        if p.grad is not e:
+                            if e is _DEAD:
+                                self.link_grad(pack, i, force=True)
+                            else:
+                                p.grad = e
                 pack.rewatch(self.flags)
             if set_to_none and pack.hookless:
                 # as torch: None, so that autograd's next gradient (the parameter unfrozen) is

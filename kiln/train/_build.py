@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -250,19 +250,43 @@ def build_scheduler(optim_cfg: Any, optimizer: torch.optim.Optimizer, total_step
             return floor + (1 - floor) * (1 - progress)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return _Schedule(optimizer, factor)
+    return _Schedule(optimizer, factor, constant_from=warmup if shape == "constant" else None)
 
 
 class _Schedule(lr_scheduler.LambdaLR):
     """torch's ``LambdaLR`` (its state dict too, so checkpoints keep their form) whose ``step()``
     does only its arithmetic after the first: torch's adds checks and a context manager, about the
-    host time of a small model's whole optimizer step (docs/lab/facts.md, 'Host time')."""
+    host time of a small model's whole optimizer step (docs/lab/facts.md, 'Host time').
+
+    ``constant_from``: the step from which the factor is 1 for good (a constant schedule after
+    its warm-up), or None. Once a step past it has written the rates (``base * 1.0``), later
+    steps only count."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float],
+                 constant_from: int | None = None) -> None:
+        self._constant_from = constant_from
+        self._settled = False  # the rates hold their constant values (set in this process: a
+        # resumed run writes them once more, whatever the loaded optimizer held)
+        super().__init__(optimizer, factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        for key in ("_constant_from", "_settled"):  # (this process's, not the schedule's progress)
+            state.pop(key)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._settled = False  # the next step writes the rates of the loaded step
 
     def step(self, epoch: int | None = None) -> None:
         if epoch is not None or self._step_count < 2:  # torch's checks of the call order, once
             return super().step(epoch)
         self._step_count += 1
         self.last_epoch += 1
+        if self._settled:
+            return
+        self._settled = self._constant_from is not None and self.last_epoch >= self._constant_from
         groups = self.optimizer.param_groups
         for group, base, factor in zip(groups, self.base_lrs, self.lr_lambdas, strict=True):
             lr = base * factor(self.last_epoch)

@@ -305,7 +305,8 @@ class Loggers:
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         """A row of metrics.csv, at ``step``."""
-        self._each("log", step, _numbers(row))
+        if self.active:  # (most runs log to metrics.csv alone: nothing to convert)
+            self._each("log", step, _numbers(row))
 
     def summary(self, summary: dict[str, Any]) -> None:
         self._each("summary", summary)

@@ -45,6 +45,8 @@ class Progress:
             self._bar.start()
 
     def update(self, step: int, **fields: Any) -> None:
+        if self.mode not in ("bar", "plain"):  # train.progress=none: no line to format
+            return
         info = "  ".join(f"{k} {_fmt(v)}" for k, v in fields.items() if v is not None)
         if self.mode == "bar":
             self._bar.update(self._task, completed=step, info=info)

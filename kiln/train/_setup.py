@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import datetime as _dt
 import resource
 import time
@@ -61,7 +62,7 @@ from kiln.train._chunked_loss import AUTO_MIN_BYTES, apply_chunked_head, chunked
 from kiln.train._loggers import Loggers, check_loggers
 from kiln.train._mfu import Mfu
 from kiln.train._progress import Progress
-from kiln.train._ranks import NullRun, broadcast_path, check_layout
+from kiln.train._ranks import NullRun, broadcast_path, check_layout, mean_over_ranks
 from kiln.train._tasks import Task, loss_from_logits, micro_batch_loss, to_device
 from kiln.train._tensor_peak import TensorMemory
 from kiln.train.run_dir import CONFIG, RunDir, RunLock
@@ -74,13 +75,19 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+_FOLD_EVERY = 256  # step losses a log window holds on the device before they are summed
+
+
 @dataclass
 class Meter:
     """Counters of a run that a checkpoint carries over: the open log window and the totals."""
 
     device: torch.device
-    window_loss: torch.Tensor = None  # sum of step losses since the last log (fp64: exact in fp64 runs)
+    window_loss: float = 0.0  # sum of the window's step losses folded in so far (fp64, in step order)
     window_steps: int = 0
+    # the window's step losses not yet folded in: 0-d tensors as the step left them on the
+    # device, so that a step adds no tensor op and no wait to the loop (add_loss)
+    window_pending: list[torch.Tensor] = field(default_factory=list)
     window_samples: int = 0  # samples_seen when the window opened
     samples_seen: int = 0
     train_seconds: float = 0.0  # time in steps, without evaluation, logging and compiling
@@ -89,9 +96,35 @@ class Meter:
     wall_start: float = field(default_factory=time.perf_counter)
     window_start: float = field(default_factory=time.perf_counter)
 
-    def __post_init__(self) -> None:
-        if self.window_loss is None:
-            self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """A step's loss (a detached 0-d tensor) into the open log window."""
+        self.window_pending.append(loss)
+        self.window_steps += 1
+        if len(self.window_pending) >= _FOLD_EVERY:  # a long log window: bounded memory, one wait
+            self.window_sum()
+
+    def window_sum(self) -> float:
+        """The sum of the window's step losses. The pending ones are added in step order as
+        Python floats, which are IEEE doubles: the same bits as adding each step's loss into an
+        fp64 tensor on the device, with one stack and one wait for the device per window."""
+        if self.window_pending:
+            total = self.window_loss
+            for value in torch.stack(self.window_pending).tolist():
+                total += value
+            self.window_loss = total
+            self.window_pending.clear()
+        return self.window_loss
+
+    def window_mean(self, world: int) -> float:
+        """The window's mean step loss, averaged over the ``world`` ranks (a collective then)."""
+        mean = self.window_sum() / self.window_steps if self.window_steps else math.nan  # (as torch's 0/0)
+        if world > 1:
+            mean = mean_over_ranks(torch.tensor(mean, dtype=torch.float64, device=self.device), world).item()
+        return mean
+
+    def close_window(self) -> None:
+        self.window_sum()  # (nothing left pending)
+        self.window_loss, self.window_steps, self.window_samples = 0.0, 0, self.samples_seen
 
     def wall_seconds(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.wall_start
@@ -101,13 +134,13 @@ class Meter:
         self.window_start, self.window_samples = time.perf_counter(), self.samples_seen
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": {"loss": self.window_loss.item(), "steps": self.window_steps},
+        return {"window": {"loss": self.window_sum(), "steps": self.window_steps},
                 "totals": {"train_seconds": self.train_seconds, "samples_seen": self.samples_seen,
                            "timed_samples": self.timed_samples, "wall_seconds": self.wall_seconds()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         totals = state["totals"]
-        self.window_loss += state["window"]["loss"]
+        self.window_loss += float(state["window"]["loss"])
         self.window_steps = state["window"]["steps"]
         self.train_seconds = totals["train_seconds"]
         self.samples_seen = self.window_samples = totals["samples_seen"]

@@ -45,6 +45,7 @@ the step: the step is then one big batch's, as transformers' Trainer does with
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -173,10 +174,13 @@ def to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> Any:
         if batch.device == device and (batch.dtype == dtype or not floating):
             return batch  # (a call of .to that does nothing still costs microseconds a step)
         return batch.to(device, dtype=dtype if floating else None, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        moved = [to_device(v, device, dtype) for v in batch]
+        # nothing moved (the data is already where and what it must be, as on a CPU): the
+        # batch itself, no new container a step
+        return batch if all(map(operator.is_, moved, batch)) else type(batch)(moved)
     if isinstance(batch, Mapping):  # (a BatchEncoding, too) -> a dict, which model(**batch) takes
         return {k: to_device(v, device, dtype) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device, dtype) for v in batch)
     return batch
 
 

@@ -40,7 +40,6 @@ from kiln.train._build import build_model
 from kiln.train._checkpoint import CheckpointWriter, plain
 from kiln.train.heartbeat import beat
 from kiln.train._plot import plot_loss
-from kiln.train._ranks import mean_over_ranks
 from kiln.train.run_dir import CHECKPOINTS, raise_if_stopped, stopped_by
 from kiln.train._setup import Run, StepContext, peak_memory_mb, setup
 from kiln.train._tasks import evaluate, loss_parts, micro_batch_loss, to_device
@@ -91,8 +90,7 @@ def train(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
             saves.poll()  # a background save that has ended: its error raised now, old checkpoints pruned
             if step == run.start_step + 1 and (compiled or step < run.total_steps):
                 _warmed_up(run, step, time.perf_counter() - started, compiled)  # timed apart
-            run.meter.window_loss += loss
-            run.meter.window_steps += 1
+            run.meter.add_loss(loss)  # read to the host once per log window, not every step
 
             row: dict[str, Any] = {}
             if step % log_every == 0 or step == run.total_steps:
@@ -201,8 +199,8 @@ def _train_metrics(run: Run, lr: float, grad_norm: torch.Tensor | None) -> dict[
     """The log window's train loss and speed (None for a window of only the compiling step);
     ``lr`` is the rate the window's last step ran at. Closes the window."""
     m = run.meter
-    # note: .item() waits for the device; done once per log window, not per step
-    run.last_train_loss = mean_over_ranks(m.window_loss / m.window_steps, run.world).item()
+    # note: waits for the device; done once per log window, not per step
+    run.last_train_loss = m.window_mean(run.world)
     elapsed = time.perf_counter() - m.window_start
     timed = m.samples_seen - m.window_samples
     m.train_seconds += elapsed
@@ -215,8 +213,7 @@ def _train_metrics(run: Run, lr: float, grad_norm: torch.Tensor | None) -> dict[
         samples_per_second=timed / max(elapsed, 1e-9) if timed else None,
     )
     row["mfu"] = run.mfu.of(row["samples_per_second"])  # None where no peak is known
-    m.window_loss.zero_()
-    m.window_steps, m.window_samples = 0, m.samples_seen
+    m.close_window()
     return row
 
 
@@ -262,7 +259,7 @@ def _finish(run: Run, saves: CheckpointWriter, step: int, stopped: dict[str, Any
     """Final checkpoint, hf/ (a transformers model), loss.png, summary.json (marked completed last)."""
     m, layout, scaler = run.meter, run.layout, run.precision.scaler
     if stopped and m.window_steps:  # the loss of the steps since the last log
-        run.last_train_loss = mean_over_ranks(m.window_loss / m.window_steps, run.world).item()
+        run.last_train_loss = m.window_mean(run.world)
     checkpoint(run, saves, "final", step, now=True)  # after the save in flight; the run ends with both on disk
     if run.main and _is_hf_run(run):
         # RUN_DIR/hf/ for from_pretrained, read back from the final checkpoint, which every layout
