@@ -291,3 +291,24 @@ print(first, [m for m in ("torch._dynamo", "sklearn") if sys.modules.get(m)])
     if "digits" in config:  # the digits' split is computed by scikit-learn once, then cached
         fresh_python(code)
     assert fresh_python(code).strip().splitlines()[-1] == "0 []"
+
+
+def test_a_draw_from_pythons_generator_while_the_run_is_built_leaves_the_run_as_seeded(tmp_path, monkeypatch):
+    """Some modules draw from Python's generator when imported (rich.style does, which
+    scikit-learn imports with the digits): the first run in a process imported them while it was
+    built, a later one found them imported. Either way the run starts from its seed's state: the
+    RNG file of its checkpoint is the same."""
+    import random
+
+    import kiln.train._setup as setup
+
+    def rng_file(run: Path) -> bytes:
+        return (run / "checkpoints" / "final" / "rng-00000.pt").read_bytes()
+
+    pytest.importorskip("sklearn.datasets")  # what the digits import, imported now: no draw in the first run
+    steps = ["train.max_steps=2", "train.eval_every=0", "train.progress=none"]
+    plain = _train(tmp_path / "plain", MLP, *steps)
+    load_data = setup.load_data
+    monkeypatch.setattr(setup, "load_data", lambda *a, **k: (random.getrandbits(24), load_data(*a, **k))[1])
+    drawn = _train(tmp_path / "drawn", MLP, *steps)
+    assert rng_file(drawn) == rng_file(plain)

@@ -30,6 +30,7 @@ import contextlib
 import copy
 import math
 import datetime as _dt
+import random
 import resource
 import time
 from dataclasses import dataclass, field
@@ -248,6 +249,10 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
     :func:`open_run_dir` (a dry run resumes nothing and writes nothing)."""
     started = time.perf_counter()
     place = join(cfg)  # device and process group
+    # Python's generator as the seed left it. A module imported while the run is built may draw
+    # from it at import (rich.style does, which scikit-learn imports with the digits): whether it
+    # draws depends on what this process imported before, so the run starts from this state.
+    seeded = random.getstate()
     if place.main:
         check_loggers(cfg.train.loggers)  # rank 0 alone logs: a logger that cannot start stops the run now
     out = RunDir.open(Path(resume)) if resume is not None and place.main else None  # locked first: RunDirBusy
@@ -274,7 +279,9 @@ def setup(cfg: Any, *, name: str = "run", resume: Path | str | None = None,
                   mfu=Mfu(place.device, precision, place.world, place.layout.tp, main=place.main),
                   **_watchers(cfg.train))
         run.start_step, run.batches = restore(run, resumed)
+        kept = seeded if resumed is None else random.getstate()  # (resumed: the checkpoint's)
         run.out, run.loggers, run.progress = open_run_dir(run, out, resumed, name=name, run_dir=run_dir)
+        random.setstate(kept)
         return run
     except BaseException:
         if out is not None:
