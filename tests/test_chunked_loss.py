@@ -355,14 +355,16 @@ def test_kiln_train_with_and_without_the_chunked_loss_trains_the_same(tmp_path, 
 @pytest.mark.distributed
 def test_zero3_keeps_the_heads_weight_gathered_for_the_chunked_loss(tmp_path):
     """FSDP2 would reshard the root's parameters after its forward, before the loss reads the
-    head's weight: kiln keeps them gathered until the backward, and trains as with whole logits."""
-    runs = {}
-    for setting in ("false", "true"):
-        out = tmp_path / setting
-        assert main(["train", GPT, "--nproc", "2", "parallel.zero=3", "train.precision=fp32", "train.max_steps=3",
-                     "train.log_every=1", "train.eval_every=3", "data.batch_size=8", "model.tie_embeddings=true",
-                     f"train.output_dir={out}", f"train.chunked_lm_loss={setting}"]) == 0
-        (runs[setting],) = out.iterdir()
+    head's weight: kiln keeps them gathered until the backward, and trains as with whole logits.
+    Both runs in one pair of processes started once (tests/group_runs.py)."""
+    from group_runs import train_in_one_group
+
+    settings = ("false", "true")
+    common = ["parallel.zero=3", "train.precision=fp32", "train.max_steps=3", "train.log_every=1", "train.eval_every=3",
+              "data.batch_size=8", "model.tie_embeddings=true"]
+    dirs = train_in_one_group(2, [(GPT, [*common, f"train.output_dir={tmp_path / s}", f"train.chunked_lm_loss={s}"])
+                                  for s in settings])
+    runs = dict(zip(settings, dirs))
     assert _losses(runs["true"]) == pytest.approx(_losses(runs["false"]), rel=2e-6)
     ev = {s: json.loads((runs[s] / "summary.json").read_text())["eval"] for s in runs}
     assert ev["true"]["loss"] == pytest.approx(ev["false"]["loss"], rel=1e-6)

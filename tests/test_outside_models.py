@@ -211,6 +211,10 @@ def _loss_curve(run: Path) -> list[float]:
 
 
 ACCELERATED = ["user", "gpt2", "llama", "bert"]
+# The bundled configs' 32 x 64-token batches cost ~1.3 s of CPU a step on the test machine; 8 x 32
+# tokens train the same models through the same code (8 steps an epoch still, as 32 x 256 samples
+# did; the two-process runs' micro-batches are 2 samples), at an eighth of the compute.
+SMALL_LM_DATA = ["data.batch_size=8", "data.args.seq_len=32", "data.args.val_samples=16"]
 TWO_PROCESSES = ((2, 1), (3, 2))  # (ZeRO stage, accumulation): 2 processes x 2 micro-batches, the same samples a step
 
 
@@ -221,7 +225,7 @@ def _accelerated(name: str, folder: Path) -> tuple[Path, list[str]]:
         config, base = _user_config(folder), ["train.max_steps=12"]
     else:
         config, base = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=8", "train.log_every=1",
-                                                                      "data.args.num_samples=256"]
+                                                                      *SMALL_LM_DATA, "data.args.num_samples=64"]
     return config, [*base, "train.eval_every=0", "train.clip_grad_norm=1.0"]
 
 
@@ -273,7 +277,8 @@ def test_kill_9_then_resume_of_an_outside_model_is_bitwise(tmp_path, kill_9_at, 
         config, args = _user_config(tmp_path), ["train.max_steps=40"]
     else:
         pytest.importorskip("transformers")
-        config, args = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=40", "data.args.num_samples=512"]
+        config, args = ROOT / "configs" / f"{HF_CONFIGS[name]}.py", ["train.max_steps=40", *SMALL_LM_DATA,
+                                                                      "data.args.num_samples=128"]  # 16 steps an epoch
     args += ["train.checkpoint_every=5", "train.log_every=5", "train.eval_every=20"]
     whole = _train(config, tmp_path / "whole", *args)
     run = kill_9_at([config, *args], tmp_path / "killed", "step-00000015")
