@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -163,6 +164,27 @@ def kill_9_at():
         return run_dir
 
     return run
+
+
+@pytest.fixture
+def disk_full_at(monkeypatch):
+    """``disk_full_at(checkpoint, code=errno.ENOSPC)``: DCP's file writer fails with ``code``
+    (ENOSPC, EDQUOT) inside checkpoint ``checkpoint``, in whichever thread writes it: what a full
+    disk does to a real save (a write() error naming no file). ``monkeypatch.undo()`` frees the
+    space."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    write_item = fs._write_item
+
+    def full(checkpoint: str, code: int = errno.ENOSPC) -> None:
+        def failing(transforms, stream, *args, **kwargs):
+            if f"/{checkpoint}.tmp/" in str(getattr(stream, "name", "")):
+                raise OSError(code, os.strerror(code))
+            return write_item(transforms, stream, *args, **kwargs)
+
+        monkeypatch.setattr(fs, "_write_item", failing)
+
+    return full
 
 
 # ----------------------------------------------------------------------------- the device tier

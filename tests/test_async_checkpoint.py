@@ -131,25 +131,11 @@ def test_async_checkpoints_equal_sync_ones_to_the_bit(tmp_path):
     assert summary["status"] == "completed" and summary["steps"] == 12
 
 
-def _disk_full_at(monkeypatch, checkpoint: str) -> None:
-    """DCP's file writer fails with ENOSPC inside checkpoint ``checkpoint`` (a write() error
-    naming no file, as a full disk gives), in whichever thread writes it."""
-    import torch.distributed.checkpoint.filesystem as fs
-
-    write_item = fs._write_item
-
-    def failing(transforms, stream, *args, **kwargs):
-        if f"/{checkpoint}.tmp/" in str(getattr(stream, "name", "")):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return write_item(transforms, stream, *args, **kwargs)
-
-    monkeypatch.setattr(fs, "_write_item", failing)
-
-
 @pytest.mark.e2e  # kiln train, failed and resumed
-def test_a_failed_background_write_ends_the_run_naming_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+def test_a_failed_background_write_ends_the_run_naming_the_last_good_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                                 disk_full_at):
     runs = tmp_path / "runs"
-    _disk_full_at(monkeypatch, "step-00000008")
+    disk_full_at("step-00000008")
     code = main(["train", MLP, "train.max_steps=16", "train.checkpoint_every=4", "train.eval_every=0",
                  "train.progress=none", "train.async_checkpoint=true", f"train.output_dir={runs}"])
     err = capsys.readouterr().err.strip()

@@ -163,27 +163,12 @@ def test_kiln_run_dir_whose_parents_do_not_exist_under_torchrun(tmp_path, monkey
 # ---------------------------------------------------------------------------------- disk full
 
 
-def _disk_full_at(monkeypatch, checkpoint: str, code: int) -> None:
-    """Make DCP's file writer fail with ``code`` (ENOSPC, EDQUOT) inside checkpoint ``checkpoint``:
-    what a full disk does to a real save (a write() error, naming no file)."""
-    import torch.distributed.checkpoint.filesystem as fs
-
-    write_item = fs._write_item
-
-    def failing(transforms, stream, *args, **kwargs):
-        if f"/{checkpoint}.tmp/" in str(getattr(stream, "name", "")):
-            raise OSError(code, os.strerror(code))
-        return write_item(transforms, stream, *args, **kwargs)
-
-    monkeypatch.setattr(fs, "_write_item", failing)
-
-
 def test_disk_full_names_the_path_and_the_last_good_checkpoint_and_the_resume_works(tmp_path, capsys,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, disk_full_at):
     from kiln.commands import main
 
     runs = tmp_path / "runs"
-    _disk_full_at(monkeypatch, "step-00000008", errno.ENOSPC)
+    disk_full_at("step-00000008", errno.ENOSPC)
     code = main(["train", MLP, "train.max_steps=12", "train.checkpoint_every=4", "train.eval_every=0",
                  "train.progress=none", f"train.output_dir={runs}"])
     err = capsys.readouterr().err.strip()
@@ -204,11 +189,11 @@ def test_disk_full_names_the_path_and_the_last_good_checkpoint_and_the_resume_wo
     assert summary["resumed"][0]["step"] == 4
 
 
-def test_quota_exceeded_at_the_first_save_says_to_start_again(tmp_path, capsys, monkeypatch):
+def test_quota_exceeded_at_the_first_save_says_to_start_again(tmp_path, capsys, disk_full_at):
     from kiln.commands import main
 
     runs = tmp_path / "runs"
-    _disk_full_at(monkeypatch, "step-00000004", errno.EDQUOT)
+    disk_full_at("step-00000004", errno.EDQUOT)
     code = main(["train", MLP, "train.max_steps=12", "train.checkpoint_every=4", "train.eval_every=0",
                  "train.progress=none", f"train.output_dir={runs}"])
     err = capsys.readouterr().err.strip()
