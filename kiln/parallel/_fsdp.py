@@ -6,6 +6,7 @@ FSDP unit (its parameters all-gathered for its forward and backward, re-sharded 
 the root takes the rest (embeddings, head). Parameters become DTensors sharded on dim 0 over the mesh.
 
 Per step, on every rank (FSDP2 reduce-scatters and averages the gradients during backward)::
+
     model = apply_fsdp(model)                                   # before building the optimizer
     opt = kiln.optim.AdamW(model.parameters(), contiguous=False)  # multi-tensor over the shards
     for step in ...:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import datetime as _dt
+import math
 import random
 import resource
 import time
